@@ -1,0 +1,297 @@
+"""A compact Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, SmolLM2) for speculative decoding.
+
+What it offers beyond a plain causal LM:
+- a preallocated :class:`KVCache` with in-place compaction (keep only accepted tree nodes),
+- a forward over an arbitrary set of new positions with explicit position ids and an explicit
+  boolean attention mask among the new tokens (tree attention); the cached prefix is always visible,
+- EAGLE-3's low/mid/high features (outputs of decoder layers 1, L//2-1, L-4) on request,
+- logits for a chosen subset of the new positions only (a prefill needs just the last one).
+
+Module and parameter names follow Hugging Face's checkpoints (``model.layers.N.self_attn.q_proj``...),
+so state dicts load with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings, with Llama-3 or linear scaling when configured."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv.float()
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to ``max_len``, indexed by explicit position ids."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_len: int) -> None:
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids: [B, T] -> [B, 1, T, head_dim]
+        return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Preallocated keys/values for every layer: ``[layers, B, kv_heads, max_len, head_dim]``.
+
+    Slots ``[0, length)`` hold the committed context. A forward writes its new tokens at
+    ``[length, length + T)`` and advances ``length``; :meth:`compact` then keeps only chosen slots
+    (the accepted tree path) and :meth:`truncate` drops throw-away entries.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", batch: int = 1) -> None:
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} cached + {n} new > capacity {self.max_len}")
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Move slots ``start + keep[i]`` to ``start + i`` (``keep`` ascending) and set length to ``start + len(keep)``."""
+        n = int(keep.numel())
+        if n:
+            src = keep.to(self.k.device) + start
+            self.k[:, :, :, start:start + n] = self.k[:, :, :, src]
+            self.v[:, :, :, start:start + n] = self.v[:, :, :, src]
+        self.length = start + n
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate cache of length {self.length} to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def build_attn_mask(cache_len: int, tree_mask: torch.Tensor | None, t: int, device) -> torch.Tensor | None:
+    """Boolean ``[T, cache_len + T]`` attention mask for ``T`` new tokens after ``cache_len`` cached ones.
+
+    ``tree_mask`` is ``[T, K]`` with ``T <= K <= cache_len + T`` and covers the LAST ``K`` key slots
+    (the new tokens are the last ``T``); every slot before them is visible to every new token.
+    ``K = T`` is plain tree attention among the new tokens; a larger ``K`` also masks throw-away
+    cache entries (the draft head's earlier tree levels). None means causal.
+    """
+    if tree_mask is None:
+        if t == 1:
+            return None
+        tree_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril_()
+    k = tree_mask.shape[-1]
+    if tree_mask.dim() != 2 or tree_mask.shape[0] != t or not t <= k <= cache_len + t:
+        raise ValueError(f"tree_mask of shape {tuple(tree_mask.shape)} does not fit {t} new tokens "
+                         f"after {cache_len} cached ones")
+    tree_mask = tree_mask.to(device=device, dtype=torch.bool)
+    if k == cache_len + t:
+        return tree_mask
+    prefix = torch.ones(t, cache_len + t - k, dtype=torch.bool, device=device)
+    return torch.cat([prefix, tree_mask], dim=1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        in_dim = in_dim or cfg.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(in_dim, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            start = cache.length
+            cache.k[layer, :b, :, start:start + t] = k
+            cache.v[layer, :b, :, start:start + t] = v
+            k = cache.k[layer, :b, :, :start + t]
+            v = cache.v[layer, :b, :, :start + t]
+        if mask is None and t > 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None
+    """``[B, T', vocab]`` for the requested positions (``T' = T`` unless ``logits_at`` was given)."""
+    features: torch.Tensor | None
+    """``[B, T, 3*hidden]``: outputs of layers (1, L//2-1, L-4) concatenated, when requested."""
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM with tree attention and EAGLE-3 feature taps."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # The context limit; by default the model's own, capped at 8192 to keep the rotary tables and the
+        # preallocated caches small on CPU (pass max_seq_len to go further).
+        self.max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 8192)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_seq_len)
+        self._taps = set(cfg.feature_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                       max_len or self.max_seq_len, self.dtype, self.device, batch)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, tree_mask: torch.Tensor | None = None,
+                features: bool = False, logits_at: torch.Tensor | slice | None = None,
+                logits: bool = True) -> ForwardOutput:
+        """Run the new tokens ``input_ids [B, T]``.
+
+        :param position_ids: ``[T]`` or ``[B, T]`` rotary positions; default: consecutive after the cache.
+        :param cache: KV cache; the new tokens are appended at ``cache.length`` and see the whole prefix.
+        :param tree_mask: boolean ``[T, K]`` over the last K key slots (see :func:`build_attn_mask`);
+            with ``K = T`` entry (i, j) lets new token i attend new token j. None means causal.
+        :param features: also return EAGLE-3's low/mid/high features for all new positions.
+        :param logits_at: index or slice into the T new positions; logits only there.
+        """
+        b, t = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.check_room(t)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + t, device=input_ids.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if int(position_ids.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(position_ids.max())} exceeds the model's context limit {self.max_seq_len}")
+        cos, sin = self.rotary(position_ids, self.dtype)
+        mask = build_attn_mask(past, tree_mask, t, input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+            if features and i in self._taps:
+                taps[i] = x
+        if cache is not None:
+            cache.length = past + t
+        feats = torch.cat([taps[i] for i in self.config.feature_layers], dim=-1) if features else None
+        out_logits = None
+        if logits:
+            h = x if logits_at is None else x[:, logits_at]
+            out_logits = self.lm_head(self.model.norm(h))
+        return ForwardOutput(out_logits, feats)
