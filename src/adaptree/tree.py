@@ -1,0 +1,230 @@
+"""Step-wise EAGLE-2/3 draft trees.
+
+A :class:`DraftTree` is grown one draft forward at a time so a controller can look at every step
+(:class:`DraftStep`) and decide whether to go on. After drafting, :meth:`DraftTree.select` keeps the
+``V`` best candidates by cumulative log-probability and returns a :class:`VerifyTree` with the tree
+attention mask, position ids and retrieve indices, all built with vectorised tensor ops (the loops
+run over depth levels, never over nodes).
+
+Terminology (SPEC.md §1): W = beam width (top-k per expansion), depth = number of draft forwards so
+far = number of node levels, V = number of draft nodes sent to the target (the root is extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class DraftStep:
+    """What a controller sees after each draft forward."""
+
+    depth: int
+    """Levels drafted so far (1 after the first forward)."""
+    width: int
+    """Beam width W of this tree."""
+    context_len: int
+    """True context length L of the target (tokens committed before the root)."""
+    beam_tokens: torch.Tensor
+    """``[W]`` target token ids of the current beam (the frontier that would be expanded next)."""
+    beam_scores: torch.Tensor
+    """``[W]`` cumulative log-probabilities of the beam nodes (descending)."""
+    child_scores: torch.Tensor
+    """Cumulative log-probs of all children scored by this forward: ``[W, W]`` (``[1, W]`` at depth 1)."""
+    tree: "DraftTree" = field(repr=False)
+    """The whole tree so far (all candidates: :meth:`DraftTree.candidate_scores`)."""
+
+
+@dataclass
+class VerifyTree:
+    """The selected tree, flattened for one target forward. Node 0 is the root."""
+
+    tokens: torch.Tensor
+    """``[N]`` target token ids, N = V + 1; nodes are topologically ordered (parents first)."""
+    parents: torch.Tensor
+    """``[N]`` parent node index, -1 for the root."""
+    depth: torch.Tensor
+    """``[N]`` depth of each node (root 0)."""
+    positions: torch.Tensor
+    """``[N]`` rotary positions: context length + depth."""
+    mask: torch.Tensor
+    """``[N, N]`` bool, ``mask[i, j]`` iff j is an ancestor of i or i itself."""
+
+    @property
+    def size(self) -> int:
+        """V: number of draft nodes (excluding the root)."""
+        return int(self.tokens.numel()) - 1
+
+    @cached_property
+    def retrieve_indices(self) -> torch.Tensor:
+        """``[leaves, max_depth + 1]``: node indices of every root-to-leaf path, padded with -1."""
+        n = self.tokens.numel()
+        has_child = torch.zeros(n, dtype=torch.bool, device=self.tokens.device)
+        has_child[self.parents[1:]] = True
+        leaves = (~has_child).nonzero().squeeze(1)
+        out = torch.full((leaves.numel(), int(self.depth.max()) + 1), -1, dtype=torch.long,
+                         device=self.tokens.device)
+        rows, cols = self.mask[leaves].nonzero(as_tuple=True)
+        out[rows, self.depth[cols]] = cols
+        return out
+
+
+def ancestor_mask(parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Ancestor-or-self mask of a topologically ordered tree, filled one depth level at a time."""
+    n = parents.numel()
+    idx = torch.arange(n, device=parents.device)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    mask[idx, idx] = True
+    for d in range(1, int(depth.max()) + 1 if n else 0):
+        level = (depth == d).nonzero().squeeze(1)
+        mask[level] |= mask[parents[level]]
+    return mask
+
+
+class DraftTree:
+    """Grows the EAGLE-3 draft tree for one cycle, one draft forward per :meth:`step`.
+
+    :param head: the EAGLE-3 draft head (``forward(hidden, input_ids, position_ids, cache, tree_mask)``
+        returning ``(out_hidden, logits)``, and ``draft_to_target``).
+    :param cache: the head's KV cache; committed entries stay, tree entries are dropped by :meth:`discard`.
+    :param width: beam width W.
+    :param root: target token id of the root (the last token the target produced).
+    :param context_len: target context length L before the root.
+    """
+
+    def __init__(self, head, cache, width: int, root: int, context_len: int) -> None:
+        self.head, self.cache, self.width = head, cache, width
+        self.root, self.context_len = root, context_len
+        self.depth = 0
+        self.draft_forwards = 0
+        self.committed = cache.length
+        # Candidate storage, one chunk per depth level (concatenated lazily).
+        self._tokens: list[torch.Tensor] = []
+        self._scores: list[torch.Tensor] = []
+        self._parents: list[torch.Tensor] = []
+        self._offset = 0  # number of candidates before the current level
+        self._cat: tuple[torch.Tensor, ...] | None = None
+
+    # ----------------------------------------------------------------- drafting
+    def _expand(self, logits: torch.Tensor, parent_scores: torch.Tensor, parent_cand: torch.Tensor) -> torch.Tensor:
+        """Score the top-W children of each of the ``P`` rows of ``logits``, record them as the next
+        level of candidates and pick the next beam; returns their cumulative scores ``[P, W]``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top_lp, top_ids = logp.topk(self.width, dim=-1)
+        child_scores = parent_scores[:, None] + top_lp
+        p, w = child_scores.shape
+        tokens = self.head.draft_to_target(top_ids.reshape(-1))
+        self._tokens.append(tokens)
+        self._scores.append(child_scores.reshape(-1))
+        self._parents.append(parent_cand.repeat_interleave(w))
+        self._level_offset = self._offset
+        self._offset += p * w
+        self._cat = None
+        # Next beam: global top-W of this level's children.
+        flat = child_scores.reshape(-1)
+        k = min(self.width, flat.numel())
+        beam_scores, beam_pos = flat.topk(k)
+        self.beam_pos = beam_pos  # position within this level
+        self.beam_rows = torch.div(beam_pos, w, rounding_mode="floor")  # which parent row
+        self.beam_cand = beam_pos + self._level_offset
+        self.beam_scores = beam_scores
+        self.beam_tokens = tokens[beam_pos]
+        self.depth += 1
+        return child_scores
+
+    def first_step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftStep:
+        """Consume the pending accepted positions (target features ``[1, P, 3H]``, next tokens ``[1, P]``,
+        the last being the root) into the committed draft cache and draft depth 1."""
+        out_hidden, logits = self.head(hidden, tokens, cache=self.cache, logits_at=slice(-1, None))
+        self.draft_forwards += 1
+        self.committed = self.cache.length
+        self.base_pos = self.committed - 1  # draft position of the root's input
+        zero = torch.zeros(1, device=logits.device)
+        child = self._expand(logits[0, -1:], zero, torch.full((1,), -1, dtype=torch.long, device=logits.device))
+        # Every depth-1 beam node takes the root position's output hidden as its input hidden.
+        self.beam_hidden = out_hidden[0, -1:].expand(self.beam_tokens.numel(), -1)
+        self.beam_anc = torch.zeros(self.beam_tokens.numel(), 0, dtype=torch.bool, device=logits.device)
+        return DraftStep(1, self.width, self.context_len, self.beam_tokens, self.beam_scores, child, self)
+
+    def step(self) -> DraftStep:
+        """One draft forward over the current beam; its W×W children become candidates."""
+        w = self.beam_tokens.numel()
+        dev = self.beam_tokens.device
+        pos = torch.full((w,), self.base_pos + self.depth, dtype=torch.long, device=dev)
+        mask = torch.cat([self.beam_anc, torch.eye(w, dtype=torch.bool, device=dev)], dim=1)
+        out_hidden, logits = self.head(self.beam_hidden[None], self.beam_tokens[None], position_ids=pos,
+                                       cache=self.cache, tree_mask=mask)
+        self.draft_forwards += 1
+        child = self._expand(logits[0], self.beam_scores, self.beam_cand)
+        rows = self.beam_rows
+        self.beam_hidden = out_hidden[0, rows]
+        self.beam_anc = mask[rows]
+        return DraftStep(self.depth, self.width, self.context_len, self.beam_tokens, self.beam_scores,
+                         child, self)
+
+    def discard(self) -> None:
+        """Drop the tree's throw-away KV entries, keeping the committed context."""
+        self.cache.truncate(self.committed)
+
+    # ---------------------------------------------------------------- selection
+    def _all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._cat is None:
+            tokens = torch.cat(self._tokens)
+            scores = torch.cat(self._scores)
+            parents = torch.cat(self._parents)
+            depth = torch.cat([torch.full((t.numel(),), d + 1, dtype=torch.long, device=t.device)
+                               for d, t in enumerate(self._tokens)])
+            self._cat = (tokens, scores, parents, depth)
+        return self._cat
+
+    @property
+    def num_candidates(self) -> int:
+        return self._offset
+
+    def candidate_scores(self) -> torch.Tensor:
+        """Cumulative log-probs of all candidates so far, in creation order (level by level)."""
+        return self._all()[1]
+
+    def candidate_tokens(self) -> torch.Tensor:
+        return self._all()[0]
+
+    def candidate_parents(self) -> torch.Tensor:
+        """Parent candidate index of each candidate (-1: child of the root)."""
+        return self._all()[2]
+
+    def candidate_depths(self) -> torch.Tensor:
+        return self._all()[3]
+
+    def select(self, v: int) -> VerifyTree:
+        """Keep the top-``v`` candidates by cumulative score (``v`` is clamped to the candidate count).
+
+        The sort is stable and candidates are stored level by level, so on exact score ties a parent
+        (earlier index) always outranks its child and the kept set is always a tree.
+        """
+        tokens, scores, parents, depth = self._all()
+        v = max(0, min(int(v), scores.numel()))
+        dev = scores.device
+        order = torch.sort(scores, descending=True, stable=True).indices[:v]
+        sel = order.sort().values
+        node_of = torch.full((scores.numel(),), -1, dtype=torch.long, device=dev)
+        node_of[sel] = torch.arange(1, v + 1, device=dev)
+        par_c = parents[sel]
+        node_par = torch.where(par_c < 0, torch.zeros_like(par_c), node_of[par_c.clamp(min=0)])
+        if bool((node_par < 0).any()):  # cannot happen with the stable sort; guard the invariant
+            raise RuntimeError("selected draft nodes do not form a tree")
+        root = torch.tensor([self.root], dtype=torch.long, device=dev)
+        all_tokens = torch.cat([root, tokens[sel]])
+        all_par = torch.cat([torch.tensor([-1], device=dev), node_par])
+        all_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[sel]])
+        return VerifyTree(all_tokens, all_par, all_depth, self.context_len + all_depth,
+                          ancestor_mask(all_par, all_depth))
+
+
+def root_only_tree(root: int, context_len: int, device="cpu") -> VerifyTree:
+    """The degenerate tree of autoregressive decoding: the root alone."""
+    z = torch.zeros(1, dtype=torch.long, device=device)
+    return VerifyTree(torch.tensor([root], device=device), z - 1, z, z + context_len,
+                      torch.ones(1, 1, dtype=torch.bool, device=device))

@@ -1,0 +1,33 @@
+"""Tiny random models shared by the fast tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptree.models.config import ModelConfig
+from adaptree.models.eagle3 import Eagle3Head
+from adaptree.models.llama import Transformer
+
+
+def tiny_target(vocab: int = 16, seed: int = 0, layers: int = 4, dtype=torch.float32) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, eos_token_id=[])
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # larger logits than the default init: a peakier, more "decisive" model
+        model.lm_head.weight.mul_(40.0)
+    return model.to(dtype)
+
+
+def tiny_head(target: Transformer, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Head:
+    vocab = target.config.vocab_size
+    counts = torch.arange(vocab, 0, -1).float()  # lower ids more frequent
+    return Eagle3Head.init_for_target(target, draft_vocab or vocab, counts, seed=seed).eval()
+
+
+@pytest.fixture
+def tiny_pair():
+    target = tiny_target()
+    return target, tiny_head(target, draft_vocab=12)
