@@ -1,0 +1,1 @@
+"""Benchmarks: commands that write results files."""

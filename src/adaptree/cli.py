@@ -1,0 +1,173 @@
+"""Command line: ``adaptree generate | compare-hf``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft head folder (config.json + model.safetensors)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="weights and activations; float32 for bit-exact lossless greedy output (default: bfloat16)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=None, help="context limit (default: the model's, <= 8192)")
+
+
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    from .controllers import METHODS
+    from .controllers.static import StaticConfig
+
+    d = StaticConfig()
+    p.add_argument("--method", choices=METHODS, default=None,
+                   help="ar = autoregressive; static = EAGLE-3 static tree (default: static with a draft head, else ar)")
+    p.add_argument("--width", "-W", type=int, default=d.width, help=f"static: beam width W (default {d.width})")
+    p.add_argument("--depth", "-D", type=int, default=d.depth, help=f"static: draft depth D (default {d.depth})")
+    p.add_argument("--size", "-V", type=int, default=d.size, help=f"static: verification size V (default {d.size})")
+
+
+def load_models(args):
+    """Target, tokenizer bundle and (optional) head from the common model flags."""
+    from .models.eagle3 import Eagle3Head
+    from .models.loading import load_target
+    from .models.registry import default_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    path = Path(args.model) if args.model else default_model_path()
+    target, tok = load_target(path, dtype=dtype, max_seq_len=args.max_seq_len)
+    head = Eagle3Head.from_pretrained(args.draft, target=target, dtype=dtype) if args.draft else None
+    return target, tok, head
+
+
+def build_controller(args, head):
+    from .controllers import make_controller
+
+    method = args.method or ("static" if head is not None else "ar")
+    if method == "static":
+        return make_controller("static", width=args.width, depth=args.depth, size=args.size)
+    return make_controller(method)
+
+
+def encode_prompt(tok, text: str, chat: bool | None) -> list[int]:
+    use_chat = bool(tok.chat_template) if chat is None else chat
+    if use_chat:
+        if not tok.chat_template:
+            raise ValueError("--chat was given but this model has no chat template")
+        return tok.apply_chat([{"role": "user", "content": text}])
+    return tok.encode(text)
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine
+    from .verify import SamplingConfig
+
+    sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
+    target, tok, head = load_models(args)
+    controller = build_controller(args, head)
+    ids = encode_prompt(tok, args.prompt, args.chat)
+    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
+
+    printed = ""
+    out_ids: list[int] = []
+
+    def stream(new: list[int]) -> None:
+        nonlocal printed
+        out_ids.extend(new)
+        text = tok.decode(out_ids)
+        if text.startswith(printed):  # a partial multi-byte character may decode differently later
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    res = engine.generate(ids, controller, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          on_tokens=None if args.json else stream)
+    text = tok.decode(res.token_ids)
+    if args.json:
+        split = res.time_split()
+        print(json.dumps({
+            "text": text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_len,
+            "new_tokens": res.new_tokens, "cycles": len(res.cycles), "tau": res.tau,
+            "wall_time_s": res.wall_time_s, "prefill_s": res.prefill_s, "tokens_per_s": res.tokens_per_s,
+            "stop_reason": res.stop_reason, "method": res.method, **split,
+        }))
+    else:
+        if text.startswith(printed):
+            sys.stdout.write(text[len(printed):])
+        sys.stdout.write("\n")
+        print(f"[{res.method}] {res.new_tokens} tokens in {res.wall_time_s:.2f} s "
+              f"({res.tokens_per_s:.1f} tok/s), {len(res.cycles)} cycles, tau {res.tau:.2f}, "
+              f"stop: {res.stop_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_compare_hf(args) -> int:
+    from .bench.hf_compare import run_compare
+
+    run_compare(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaptree", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
+    g.add_argument("prompt")
+    add_model_args(g)
+    add_method_args(g)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the model's chat template (default: when the model has one)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
+    add_model_args(c)
+    c.add_argument("--prompts", type=_positive_int, default=6, help="number of built-in prompts")
+    c.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    c.add_argument("--repeats", type=_positive_int, default=1)
+    c.add_argument("--out", default="runs/compare-hf", help="results folder (results.jsonl, summary.json)")
+    c.set_defaults(func=cmd_compare_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"adaptree: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adaptree: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

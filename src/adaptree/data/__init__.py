@@ -1,0 +1,1 @@
+"""Benchmark and training prompts."""
