@@ -125,11 +125,8 @@ def test_forward_matches_released_layer_math(head):
     torch.testing.assert_close(logits[0].double(), ref_logits, rtol=1e-4, atol=1e-4)
     # the swapped order (SPEC.md's wording) would give a different result
     with torch.no_grad():
-        q = head.midlayer.self_attn.q_proj.weight
-        k = head.midlayer.self_attn.k_proj.weight
-        v = head.midlayer.self_attn.v_proj.weight
-        for w in (q, k, v):
-            w.copy_(torch.cat([w[:, HID:], w[:, :HID]], dim=1))
+        w = head.midlayer.self_attn.qkv_proj.weight  # q/k/v rows fused; swap the two input halves
+        w.copy_(torch.cat([w[:, HID:], w[:, :HID]], dim=1))
     swapped, _ = head(feats, tok)
     assert not torch.allclose(swapped, out, atol=1e-3)
 

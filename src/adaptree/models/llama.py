@@ -30,10 +30,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _fuse_linears(module: nn.Module, parts: tuple[str, ...], fused: str) -> None:
+    """Keep ``fused`` (one Linear whose rows are ``parts`` stacked) behind the checkpoints' key names.
+
+    One matmul instead of several cuts per-layer overhead, which dominates small models on CPU.
+    Loading merges ``prefix + part + '.weight'/'.bias'`` into the fused tensor (only when every part is
+    present, so strict loading still names what is missing); ``state_dict()`` splits it back.
+    """
+
+    def merge(state_dict, prefix, *args, **kwargs):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{fused}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+    def split(mod, state_dict, prefix, local_metadata):
+        sizes = mod._fused_sizes[fused]
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{fused}.{kind}"
+            if key in state_dict:
+                for part, tensor in zip(parts, state_dict.pop(key).split(sizes)):
+                    state_dict[f"{prefix}{part}.{kind}"] = tensor.clone()  # no shared storage (safetensors)
+        return state_dict
+
+    module._register_load_state_dict_pre_hook(merge)
+    module._register_state_dict_hook(split)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -71,20 +95,19 @@ class Rotary(nn.Module):
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: fold the sign into the table.
+        sin = emb.sin()
+        sin[:, : head_dim // 2] *= -1
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: [B, T] -> [B, 1, T, head_dim]
+        # position_ids: [B, T] -> [B, 1, T, head_dim]; the sine carries the rotate-half sign.
         return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """Rotary embedding with :class:`Rotary`'s sign-folded sine (equal to HF's rotate_half form)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class KVCache:
@@ -149,15 +172,18 @@ def build_attn_mask(cache_len: int, tree_mask: torch.Tensor | None, t: int, devi
 
 
 class Attention(nn.Module):
+    """GQA self-attention with one fused q/k/v projection (checkpoint keys stay q_proj/k_proj/v_proj)."""
+
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
         super().__init__()
         hd = cfg.head_dim
         in_dim = in_dim or cfg.hidden_size
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(in_dim, self.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(in_dim, self.n_kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(in_dim, self.n_kv * hd, bias=cfg.attention_bias)
+        sizes = [self.n_heads * hd, self.n_kv * hd, self.n_kv * hd]
+        self._fused_sizes = {"qkv_proj": sizes}
+        self.qkv_proj = nn.Linear(in_dim, sum(sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, cfg.hidden_size, bias=False)
+        _fuse_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -167,35 +193,42 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        h, kv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, : h + kv], cos, sin)  # q and k heads rotated together
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, h:h + kv]), cos, sin)
+        v = qkv[:, h + kv:]
         if cache is not None:
             start = cache.length
             cache.k[layer, :b, :, start:start + t] = k
             cache.v[layer, :b, :, start:start + t] = v
             k = cache.k[layer, :b, :, :start + t]
             v = cache.v[layer, :b, :, :start + t]
+        gqa = kv != h
         if mask is None and t > 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * self.head_dim))
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP with one fused gate/up projection (checkpoint keys stay gate_proj/up_proj)."""
+
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self._fused_sizes = {"gate_up_proj": [inter, inter]}
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        _fuse_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
