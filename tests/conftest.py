@@ -27,6 +27,19 @@ def tiny_head(target: Transformer, draft_vocab: int | None = None, seed: int = 1
     return Eagle3Head.init_for_target(target, draft_vocab or vocab, counts, seed=seed).eval()
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny models run faster on one thread (no spin-waiting on a shared 2-core machine); the slow
+    end-to-end tests on the real model keep torch's default."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_pair():
     target = tiny_target()

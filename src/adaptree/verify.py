@@ -113,22 +113,18 @@ def verify_sample(tree: VerifyTree, logits: torch.Tensor, cfg: SamplingConfig,
     cur = 0
     while True:
         p = probs[cur]
-        kids = children.get(cur, ())
+        nxt = -1
+        kids = children.get(cur, [])
         if kids:
             p = p.clone()
-            u = torch.rand(len(kids), generator=gen, device=p.device).tolist()
-        nxt = -1
-        for ui, kid in zip(u, kids) if kids else ():
-            x = tokens[kid]
-            px = float(p[x])
-            if ui < px:
-                nxt = kid
-                break
-            p[x] = 0.0
-            total = p.sum()
-            if float(total) <= 0.0:
-                break
-            p /= total
+            draws = torch.rand(len(kids), generator=gen, device=p.device).tolist()
+            for u, kid in zip(draws, kids):
+                x = tokens[kid]
+                if u < float(p[x]):  # accept with probability p(x): the draft is a point mass
+                    nxt = kid
+                    break
+                p[x] = 0.0  # rejected: sample from the residual from now on
+                p /= p.sum()
         if nxt < 0:
             bonus = int(torch.multinomial(p, 1, generator=gen))
             return Acceptance(torch.tensor(path, dtype=torch.long, device=tree.tokens.device), bonus)
