@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 import torch
 
@@ -21,8 +20,13 @@ def _positive_int(text: str) -> int:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from .models.registry import DEFAULT_MODEL_NAME, MODELS
+
+    names = ", ".join(MODELS)
     p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+                   help=f"a model name ({names}), a Hugging Face checkpoint folder or a .gguf file "
+                        f"(default: {DEFAULT_MODEL_NAME}, the embedded SmolLM2-135M-Instruct); GGUF models are "
+                        "converted once to a float cache under $ADAPTREE_CACHE (default ~/.cache/adaptree)")
     p.add_argument("--draft", default=None, help="EAGLE-3 draft head folder (config.json + model.safetensors)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                    help="weights and activations; float32 for bit-exact lossless greedy output (default: bfloat16)")
@@ -45,14 +49,12 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 def load_models(args):
     """Target, tokenizer bundle and (optional) head from the common model flags."""
     from .models.eagle3 import Eagle3Head
-    from .models.loading import load_target
-    from .models.registry import default_model_path
+    from .models.registry import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    path = Path(args.model) if args.model else default_model_path()
-    target, tok = load_target(path, dtype=dtype, max_seq_len=args.max_seq_len)
+    target, tok = load_model(args.model, dtype=dtype, max_seq_len=args.max_seq_len)
     head = Eagle3Head.from_pretrained(args.draft, target=target, dtype=dtype) if args.draft else None
     return target, tok, head
 

