@@ -63,6 +63,7 @@ def load_models(args):
     elif draft == "none":
         draft = None
     head = Eagle3Head.from_pretrained(draft, target=target, dtype=dtype).eval() if draft else None
+    args.draft_path = str(draft) if draft else None
     return target, tok, head
 
 
@@ -124,6 +125,17 @@ def cmd_generate(args) -> int:
         print(f"[{res.method}] {res.new_tokens} tokens in {res.wall_time_s:.2f} s "
               f"({res.tokens_per_s:.1f} tok/s), {len(res.cycles)} cycles, tau {res.tau:.2f}, "
               f"stop: {res.stop_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.runner import BenchConfig, run_bench
+
+    cfg = BenchConfig(methods=[m for m in args.methods.split(",") if m],
+                      datasets=[d for d in args.datasets.split(",") if d], question_file=args.question_file,
+                      limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      seed=args.seed, repeats=args.repeats, out=args.out)
+    run_bench(cfg, args)
     return 0
 
 
@@ -199,6 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the model's chat template (default: when the model has one)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark methods side by side: speedup vs AR, tau, losslessness")
+    add_model_args(b)
+    add_method_args(b)
+    b.set_defaults(method=None)
+    b.add_argument("--methods", default="ar,static", help="comma-separated methods (must include ar)")
+    b.add_argument("--datasets", default="mt_bench,humaneval", help="comma-separated: mt_bench, humaneval, sharegpt")
+    b.add_argument("--question-file", default=None, help="an EAGLE-format question.jsonl, benchmarked too")
+    b.add_argument("--limit", type=_positive_int, default=8, help="prompts per dataset")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=_positive_int, default=1)
+    b.add_argument("--out", default="runs/bench", help="results folder (results.jsonl is resumed if present)")
+    b.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
     add_model_args(c)
