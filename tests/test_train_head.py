@@ -1,0 +1,399 @@
+"""adaptree train-head on tiny random targets: TTT == inference, features on disk, training, export, resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from adaptree.controllers import make_controller
+from adaptree.engine import Engine
+from adaptree.models.eagle3 import Eagle3Head
+from adaptree.train import corpus as corpus_mod
+from adaptree.train import head as head_mod
+from adaptree.train.corpus import (ConversationItem, TokenSequence, batched_generate, build_corpus,
+                                   drop_evaluation_prompts, read_corpus, render_conversation)
+from adaptree.train.features import FeatureStore, extract_features, target_pass, u16_to_bf16
+from adaptree.train.head import TrainHeadConfig, lr_factor, make_batches, train_head
+from adaptree.train.ttt import chain_lengths, collate, ttt_forward
+
+from conftest import tiny_head, tiny_target
+
+
+def _features(target, ids):
+    with torch.no_grad():
+        return target(torch.tensor([ids]), features=True, logits=False).features
+
+
+# --------------------------------------------------------------------------------------------------
+# the training-time test sees exactly what inference sees
+# --------------------------------------------------------------------------------------------------
+
+
+def _sequential_chain(head, feats, x, base, depth):
+    """Inference as tree.py does it: commit draft positions 0..base (first_step), then grow a tree of width
+    2 level by level (mask = [parent's ancestor rows ; eye], positions base + depth): node 0 follows the true
+    tokens, node 1 is a distractor chain of other tokens that must never influence node 0.
+    Returns node 0's (out_hidden, logits) at each depth 1..depth."""
+    cache = head.new_cache(256)
+    out, logits = head(feats[:, :base + 1], x[:, 1:base + 2], cache=cache)
+    res = [(out[0, base], logits[0, base])]
+    hid = out[0, -1:].expand(2, -1)
+    anc = torch.zeros(2, 0, dtype=torch.bool)
+    vocab = head.config.vocab_size
+    for d in range(1, depth):
+        true_tok = int(x[0, base + 1 + d])
+        tokens = torch.tensor([[true_tok, (true_tok + 1 + d) % vocab]])
+        mask = torch.cat([anc, torch.eye(2, dtype=torch.bool)], dim=1)
+        pos = torch.full((2,), base + d)
+        out, logits = head(hid[None], tokens, position_ids=pos, cache=cache, tree_mask=mask)
+        res.append((out[0, 0], logits[0, 0]))
+        hid, anc = out[0], mask  # each node's child continues its own chain
+    return res
+
+
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_ttt_matches_sequential_tree_decoding(steps):
+    target = tiny_target(vocab=40, seed=3)
+    head = tiny_head(target, draft_vocab=30, seed=4)
+    g = torch.Generator().manual_seed(5)
+    length = 26
+    x = torch.randint(0, 40, (1, length), generator=g)
+    feats = _features(target, x[0].tolist())
+    with torch.no_grad():
+        outs = ttt_forward(head, feats[:, :length - 1], x[:, 1:], steps)
+        for base in range(0, length - steps - 1):
+            seq = _sequential_chain(head, feats, x, base, steps)
+            for k, (h_ref, l_ref) in enumerate(seq):
+                h_ttt, l_ttt = outs[k][0][0, base + k], outs[k][1][0, base + k]
+                torch.testing.assert_close(l_ttt, l_ref, atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(h_ttt, h_ref, atol=2e-5, rtol=1e-5)
+
+
+def test_ttt_padding_does_not_leak():
+    target = tiny_target(vocab=24, seed=1)
+    head = tiny_head(target, seed=2)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (9, 17):
+        ids = torch.randint(0, 24, (n,), generator=g)
+        with torch.no_grad():
+            rows = target_pass(target, [ids.tolist()])[0]
+        seqs.append({"feats": u16_to_bf16(rows["feats"]), "hidden": u16_to_bf16(rows["hidden"]), "tokens": ids,
+                     "argmax": torch.from_numpy(rows["argmax"].astype(np.int64)),
+                     "loss_mask": torch.ones(n, dtype=torch.bool)})
+    both = collate(seqs)
+    alone = collate(seqs[:1])
+    assert both["weight"][0].sum() == alone["weight"][0].sum() == 9 - 2
+    with torch.no_grad():
+        a = ttt_forward(head, both["feats"], both["input_ids"], 4)
+        b = ttt_forward(head, alone["feats"], alone["input_ids"], 4)
+    for k in range(4):
+        torch.testing.assert_close(a[k][1][0, :8], b[k][1][0], atol=1e-5, rtol=1e-5)
+
+
+def test_chain_lengths():
+    # 3 steps, 1 sequence of 6 query positions; bases valid at step 0 on positions 0..3
+    c = [torch.tensor([[1, 1, 0, 1, 1, 1]]), torch.tensor([[0, 1, 1, 0, 1, 1]]), torch.tensor([[0, 0, 1, 1, 0, 1]])]
+    c = [t.bool() for t in c]
+    valid = [torch.tensor([[1, 1, 1, 1, 0, 0]]).bool()] * 3
+    total, n = chain_lengths(c, valid)
+    # base 0: c0[0]=1, c1[1]=1, c2[2]=1 -> 3; base 1: c0[1]=1, c1[2]=1, c2[3]=1 -> 3; base 2: 0; base 3: c0=1, c1[4]=1, c2[5]=1 -> 3
+    assert (total, n) == (9.0, 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# corpus
+# --------------------------------------------------------------------------------------------------
+
+
+class _CharTokenizer:
+    """A character-level stand-in for a HF tokenizer with a ChatML-like template."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(ch) for ch in text]
+
+    def apply_chat_template(self, messages, chat_template=None, add_generation_prompt=True, tokenize=False):
+        s = "".join(f"<{m['role']}>{m['content']}|\n" for m in messages)
+        return s + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_render_conversation_masks_assistant_turns():
+    from adaptree.models.loading import TokenizerBundle
+
+    tok = TokenizerBundle(_CharTokenizer(), chat_template="x", eos_token_ids=[ord("|")])
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]
+    ids, mask = render_conversation(tok, msgs)
+    text = "".join(map(chr, ids))
+    assert text == "<user>hi|\n<assistant>yo|\n<user>q|\n<assistant>ok|\n"
+    masked = "".join(ch for ch, m in zip(text, mask) if m)
+    assert masked == "yo|\nok|\n"
+    ids2, mask2 = render_conversation(tok, msgs, max_len=12)
+    assert ids2 == ids[:12] and mask2 == mask[:12]
+
+
+def test_evaluation_prompts_are_dropped():
+    banned = {"write a haiku about the sea."}
+    items = [ConversationItem("a", [{"role": "user", "content": "Write a  haiku about\nthe sea."}]),
+             ConversationItem("b", [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"},
+                                    {"role": "user", "content": "write a haiku about the sea."}]),
+             ConversationItem("c", [{"role": "user", "content": "fine"}])]
+    kept, dropped = drop_evaluation_prompts(items, {b.lower() for b in banned} | {"Write a haiku about the sea."})
+    assert [it.id for it in kept] == ["c"] and dropped == 2
+
+
+def test_batched_generate_matches_engine_greedy():
+    target = tiny_target(vocab=32, seed=2)
+    prompts = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [4, 4]]
+    limits = [9, 12, 5, 12]
+    outs = batched_generate(target, prompts, limits, eos_token_ids=[])
+    eng = Engine(target)
+    for p, n, got in zip(prompts, limits, outs):
+        assert got == eng.generate(p, make_controller("ar"), max_new_tokens=n).token_ids
+    # EOS stops a row (kept), the others go on
+    full12 = batched_generate(target, prompts, 12, eos_token_ids=[])
+    eos = full12[1][3]
+    stopped = batched_generate(target, prompts, 12, eos_token_ids=[eos])
+    for full, got in zip(full12, stopped):
+        cut = full[:full.index(eos) + 1] if eos in full else full
+        assert got == cut[:len(got)] and (got[-1] == eos or len(got) == 12)
+
+
+# --------------------------------------------------------------------------------------------------
+# features on disk
+# --------------------------------------------------------------------------------------------------
+
+
+def _random_sequences(n, vocab, seed, lo=6, hi=30):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ln = rng.randint(lo, hi)
+        p = rng.randint(1, ln - 2)
+        out.append(TokenSequence(f"s{i}", [rng.randrange(vocab) for _ in range(ln)], [0] * p + [1] * (ln - p),
+                                 "val" if i % 5 == 0 else "train"))
+    return out
+
+
+def test_feature_store_round_trip_and_resume(tmp_path):
+    target = tiny_target(vocab=32, seed=0)
+    seqs = _random_sequences(12, 32, seed=1)
+    folder = tmp_path / "features"
+    st1 = extract_features(folder, target, seqs, batch_tokens=64, shard_tokens=40, limit=5)  # "killed" midway
+    assert st1["sequences"] == 5 and len(FeatureStore(folder)) == 5
+    (folder / "shard-00042.tmp").mkdir()  # debris of a crash while writing a shard
+    (folder / "shard-00042.tmp" / "feats.npy").write_bytes(b"garbage")
+    st2 = extract_features(folder, target, seqs + seqs[:3], batch_tokens=64, shard_tokens=40)
+    assert st2["sequences"] == 7
+    assert not list(folder.glob("*.tmp"))
+    store = FeatureStore(folder)
+    assert sorted(r.id for r in store.seqs) == sorted(s.id for s in seqs)  # each once
+    assert extract_features(folder, target, seqs)["sequences"] == 0  # nothing left to do
+    for s in seqs:
+        ref = next(r for r in store.seqs if r.id == s.id)
+        got = store.get(ref)
+        assert ref.split == s.split and got["tokens"].tolist() == s.input_ids
+        assert got["loss_mask"].tolist() == [bool(m) for m in s.loss_mask]
+        with torch.no_grad():
+            out = target(torch.tensor([s.input_ids]), features=True)
+            last = {}
+            hk = target.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("x", o))
+            target(torch.tensor([s.input_ids]), logits=False)
+            hk.remove()
+        torch.testing.assert_close(got["feats"].float(), out.features[0].bfloat16().float(), atol=2e-2, rtol=1e-2)
+        hidden = target.model.norm(last["x"][0])
+        torch.testing.assert_close(got["hidden"].float(), hidden.bfloat16().float(), atol=2e-2, rtol=1e-2)
+        assert got["argmax"].tolist() == out.logits[0].argmax(-1).tolist()
+    counts = store.token_counts(32, "train")
+    expected = np.zeros(32, dtype=np.int64)
+    for s in seqs:
+        if s.split == "train":
+            am = store.get(next(r for r in store.seqs if r.id == s.id))["argmax"].numpy()
+            for p in range(len(s.input_ids) - 1):
+                if s.loss_mask[p + 1]:
+                    expected[am[p]] += 1
+    assert counts.tolist() == expected.tolist()
+    other = tiny_target(vocab=32, seed=9)
+    with pytest.raises(ValueError, match="another target"):
+        extract_features(folder, other, seqs)
+
+
+# --------------------------------------------------------------------------------------------------
+# training, export, resume, end to end
+# --------------------------------------------------------------------------------------------------
+
+VOCAB = 48
+
+
+def _prompt_items(n_train, n_val, seed):
+    rng = random.Random(seed)
+    items, prompts = [], {}
+    for i in range(n_train + n_val):
+        iid = f"p{seed}-{i}"
+        prompts[iid] = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))]
+        items.append(ConversationItem(iid, [{"role": "user", "content": iid}], "train" if i < n_train else "val"))
+    return items, prompts
+
+
+def _tiny_cfg(out, **kw):
+    base = dict(out=str(out), num_prompts=24, max_len=64, max_new_tokens=40, gen_batch_size=16, draft_vocab=40,
+                epochs=2, ttt_steps=3, batch_tokens=256, lr=3e-3, val_every=1000, ckpt_every=5, log_every=1,
+                seed=0, target_dtype="float32")
+    base.update(kw)
+    return TrainHeadConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One short self-distillation run on a tiny target (shared by the tests below)."""
+    torch.set_num_threads(1)
+    target = tiny_target(vocab=VOCAB, seed=7)
+    items, prompts = _prompt_items(24, 6, seed=1)
+    out = tmp_path_factory.mktemp("run")
+    cfg = _tiny_cfg(out, epochs=4, max_steps=16)
+    summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    return target, items, prompts, out, summary
+
+
+def test_training_lowers_loss_and_logs(tiny_run):
+    target, items, prompts, out, summary = tiny_run
+    lines = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r["type"] == "train"]
+    assert len(train) == 16
+    first = np.mean([r["loss"] for r in train[:3]])
+    last = np.mean([r["loss"] for r in train[-3:]])
+    assert last < 0.8 * first, (first, last)
+    val = summary["validation"]["final"]
+    assert len(val["step_acc"]) == 3 and val["positions"] > 0 and val["chain_tau"] >= 1.0
+    seqs = read_corpus(out / "corpus")
+    assert len(seqs) == 30 and all(len(s.input_ids) == len(prompts[s.id]) + 40 for s in seqs)
+    assert all(s.loss_mask == [0] * len(prompts[s.id]) + [1] * 40 for s in seqs)
+    s = json.loads((out / "training_summary.json").read_text())
+    assert s["seed"] == 0 and s["machine"]["torch"] and s["data"]["train_sequences"] == 24
+    assert s["data"]["val_sequences"] == 6 and s["throughput"]["generation_tokens_per_s"] > 0
+
+
+def test_export_loads_strictly_and_matches(tiny_run):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    target, _, _, out, _ = tiny_run
+    with safe_open(str(out / "head" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert "embed_tokens.weight" not in keys and f.get_tensor("fc.weight").dtype == torch.bfloat16
+    loaded = Eagle3Head.from_pretrained(out / "head", target=target, dtype=torch.float32)
+    assert loaded.config.draft_vocab_size == 40 and int(loaded.t2d.sum()) == 40
+    ref = Eagle3Head.init_for_target(target, 40, dtype=torch.float32)
+    ref.load_state_dict(load_file(out / "ckpt" / "weights.safetensors"), strict=True)
+    with torch.no_grad():  # the export is the checkpoint rounded to bfloat16
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    x = torch.randint(0, VOCAB, (1, 12))
+    feats = _features(target, x[0].tolist())
+    with torch.no_grad():
+        a = loaded(feats, x)[1]
+        b = ref(feats, x)[1]
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert torch.equal(loaded.d2t, ref.d2t)
+
+
+def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    target, items, prompts, out, _ = tiny_run
+    run2 = tmp_path / "run2"
+    shutil.copytree(out / "corpus", run2 / "corpus")  # the data stages are reused as they are
+    shutil.copytree(out / "features", run2 / "features")
+    cfg = _tiny_cfg(run2, epochs=4, max_steps=16)
+    real = head_mod.ttt_loss
+    calls = {"n": 0}
+
+    def crashing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:  # after the step-5 checkpoint, before the step-10 one
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(head_mod, "ttt_loss", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    monkeypatch.setattr(head_mod, "ttt_loss", real)
+    assert json.loads((run2 / "ckpt" / "state.json").read_text())["step"] == 5
+    with pytest.raises(ValueError, match="--resume"):
+        train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    cfg.resume = True
+    train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    a = load_file(out / "ckpt" / "weights.safetensors")
+    b = load_file(run2 / "ckpt" / "weights.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    steps = [json.loads(x)["step"] for x in (run2 / "train_log.jsonl").read_text().splitlines()
+             if json.loads(x)["type"] == "train"]
+    assert steps == list(range(1, 8)) + list(range(6, 17))  # steps 6-7 were lost with the crash, then redone
+
+
+def test_trained_head_beats_random_head_in_the_engine(tmp_path):
+    """End to end: self-distil a tiny target, train briefly, and compare the static-tree tau."""
+    torch.set_num_threads(1)
+    target = tiny_target(vocab=VOCAB, seed=11)
+    items, prompts = _prompt_items(40, 8, seed=2)
+    cfg = _tiny_cfg(tmp_path, num_prompts=40, epochs=12, ttt_steps=4, draft_vocab=VOCAB, max_new_tokens=48,
+                    lr=4e-3, ckpt_every=1000, log_every=50)
+    summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    trained = Eagle3Head.from_pretrained(tmp_path / "head", target=target, dtype=torch.float32)
+    rand = tiny_head(target, draft_vocab=VOCAB, seed=3)
+    ctl = make_controller("static", width=3, depth=4, size=10)
+
+    def tau(head):
+        eng = Engine(target, head)
+        cyc = []
+        for it in items[40:]:
+            res = eng.generate(prompts[it.id], ctl, max_new_tokens=40)
+            cyc += [c.accepted + 1 for c in res.cycles]
+        return float(np.mean(cyc))
+
+    t_trained, t_rand = tau(trained), tau(rand)
+    assert t_trained > t_rand + 0.5, (t_trained, t_rand, summary["validation"]["final"])
+
+
+def test_schedule_batches_and_config_checks():
+    assert lr_factor(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+    from adaptree.train.features import SeqRef
+
+    refs = [SeqRef(f"s{i}", "train", 0, 0, 5 + i % 40) for i in range(300)]
+    batches = make_batches(refs, 200, seed=3)
+    assert sorted(r.id for b in batches for r in b) == sorted(r.id for r in refs)
+    assert all(len(b) * max(r.length for r in b) <= 200 for b in batches)
+    assert [[r.id for r in b] for b in batches] == [[r.id for r in b] for b in make_batches(refs, 200, seed=3)]
+    with pytest.raises(ValueError, match="source"):
+        TrainHeadConfig(source="web")
+    with pytest.raises(ValueError, match="batch_tokens"):
+        TrainHeadConfig(max_len=2048, batch_tokens=1024)
+
+
+def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
+    from adaptree import cli
+
+    seen = {}
+
+    def fake(cfg):
+        seen["cfg"] = cfg
+        return {"validation": {"final": {"step_acc": [0.5, 0.4], "chain_tau": 1.9}}, "export": str(tmp_path / "head")}
+
+    monkeypatch.setattr("adaptree.train.train_head", fake)
+    rc = cli.main(["train-head", "--out", str(tmp_path), "--source", "sharegpt", "--num-prompts", "50",
+                   "--max-len", "512", "--draft-vocab", "4096", "--epochs", "3", "--ttt-steps", "5", "--lr", "5e-4",
+                   "--batch-tokens", "2048", "--seed", "7", "--resume", "--dtype", "float32"])
+    cfg = seen["cfg"]
+    assert rc == 0 and cfg.source == "sharegpt" and cfg.num_prompts == 50 and cfg.max_len == 512
+    assert (cfg.draft_vocab, cfg.epochs, cfg.ttt_steps, cfg.lr, cfg.batch_tokens, cfg.seed) == (4096, 3, 5, 5e-4, 2048, 7)
+    assert cfg.resume and cfg.target_dtype == "float32" and cfg.command.startswith("adaptree ")
+    assert cli.main(["train-head", "--out", str(tmp_path), "--max-len", "4096", "--batch-tokens", "1024"]) == 2
