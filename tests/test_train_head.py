@@ -444,7 +444,36 @@ def test_bf16_autocast_loss_is_close_to_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         l16, s16 = ttt_loss(head, batch, lm_rows, 4)
     assert l16.dtype == torch.float32 and s16["count"] == s32["count"]
-    assert abs(float(l16) - float(l32)) < 0.02 * float(l32)
+    assert abs(l16.item() - l32.item()) < 0.02 * l32.item()
     g32 = torch.autograd.grad(l32, head.fc.weight)[0]
     g16 = torch.autograd.grad(l16, head.fc.weight)[0]
     assert torch.nn.functional.cosine_similarity(g32.flatten(), g16.flatten(), dim=0) > 0.98
+
+
+def test_self_distillation_corpus_is_the_targets_greedy_output_and_resumes(tmp_path):
+    target = tiny_target(vocab=32, seed=4)
+    rng = random.Random(0)
+    prompts = {f"q{i}": [rng.randrange(32) for _ in range(rng.randint(2, 9))] for i in range(11)}
+    eng = Engine(target)
+    # an end token that ends some answers early, so rows finish at different times
+    firsts = [eng.generate(p, make_controller("ar"), max_new_tokens=30).token_ids for p in prompts.values()]
+    eos = max(set(t for f in firsts for t in f[3:]), key=lambda t: sum(t in f for f in firsts))
+    target.config.eos_token_id = [eos]
+    items = [ConversationItem(k, [{"role": "user", "content": k}], "val" if k == "q3" else "train") for k in prompts]
+    kw = dict(max_len=40, max_new_tokens=30, gen_batch_size=4, part_size=5, prompt_ids_fn=lambda it: prompts[it.id])
+    st = build_corpus(tmp_path, target, None, items, "self", limit=5, **kw)  # interrupted after one part
+    assert st.sequences == 5
+    st = build_corpus(tmp_path, target, None, items, "self", **kw)
+    seqs = read_corpus(tmp_path)
+    assert sorted(s.id for s in seqs) == sorted(prompts) and st.sequences == 11
+    eng = Engine(target, eos_token_ids=[eos])
+    lengths = set()
+    for s in seqs:
+        p = prompts[s.id]
+        ref = eng.generate(p, make_controller("ar"), max_new_tokens=30).token_ids
+        assert s.input_ids == p + ref and s.loss_mask == [0] * len(p) + [1] * len(ref)
+        assert s.split == ("val" if s.id == "q3" else "train")
+        lengths.add(len(ref))
+    assert len(lengths) > 2  # the early stops and batch refills were exercised
+    with pytest.raises(ValueError, match="sharegpt"):
+        build_corpus(tmp_path, target, None, items, "sharegpt", max_len=40)

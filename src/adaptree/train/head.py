@@ -69,7 +69,7 @@ class TrainHeadConfig:
     """Self-distillation: longest generated response."""
     gen_temperature: float = 0.0
     """Self-distillation: 0 = greedy (matches greedy decoding at inference), else sampling temperature."""
-    gen_batch_size: int = 32
+    gen_batch_size: int = 64
     """Self-distillation: prompts generated together."""
     target_dtype: str = "bfloat16"
     """Dtype of the target for generation and feature extraction (features are stored as bfloat16)."""
