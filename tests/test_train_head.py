@@ -269,7 +269,7 @@ def test_training_lowers_loss_and_logs(tiny_run):
     last = np.mean([r["loss"] for r in train[-3:]])
     assert last < 0.9 * first, (first, last)
     val = summary["validation"]["final"]
-    assert len(val["step_acc"]) == 3 and val["positions"] > 0 and val["chain_tau"] >= 1.0
+    assert len(val["step_acc"]) == 8 and val["positions"] > 0 and val["chain_tau"] >= 1.0  # val_steps = 8
     seqs = read_corpus(out / "corpus")
     assert len(seqs) == 30 and all(len(s.input_ids) == len(prompts[s.id]) + 40 for s in seqs)
     assert all(s.loss_mask == [0] * len(prompts[s.id]) + [1] * 40 for s in seqs)
@@ -311,30 +311,45 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
     shutil.copytree(out / "features", run2 / "features")
     cfg = _tiny_cfg(run2, epochs=4, max_steps=16)
     real = head_mod.ttt_loss
-    calls = {"n": 0}
 
-    def crashing(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 8:  # after the step-5 checkpoint, before the step-10 one
-            raise KeyboardInterrupt
-        return real(*a, **k)
+    def failing_at(n, exc):
+        calls = {"n": 0}
 
-    monkeypatch.setattr(head_mod, "ttt_loss", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+        def loss(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise exc
+            return real(*a, **k)
+        return loss
+
+    run = lambda: train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    state = lambda: json.loads((run2 / "ckpt" / "state.json").read_text())["step"]
+    # a hard crash in step 8: nothing saved since the step-5 checkpoint
+    monkeypatch.setattr(head_mod, "ttt_loss", failing_at(8, RuntimeError("killed")))
+    with pytest.raises(RuntimeError, match="killed"):
+        run()
+    assert state() == 5
     monkeypatch.setattr(head_mod, "ttt_loss", real)
-    assert json.loads((run2 / "ckpt" / "state.json").read_text())["step"] == 5
     with pytest.raises(ValueError, match="--resume"):
-        train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+        run()
+    # resumed, then Ctrl-C in step 9: steps 6-8 are kept
     cfg.resume = True
-    train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    monkeypatch.setattr(head_mod, "ttt_loss", failing_at(4, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert state() == 8
+    monkeypatch.setattr(head_mod, "ttt_loss", real)
+    run()
     a = load_file(out / "ckpt" / "weights.safetensors")
     b = load_file(run2 / "ckpt" / "weights.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
     steps = [json.loads(x)["step"] for x in (run2 / "train_log.jsonl").read_text().splitlines()
              if json.loads(x)["type"] == "train"]
-    assert steps == list(range(1, 8)) + list(range(6, 17))  # steps 6-7 were lost with the crash, then redone
+    assert steps == list(range(1, 8)) + [6, 7, 8] + list(range(9, 17))  # 6-7 lost with the hard crash, redone
+    cfg.ttt_steps = 2
+    with pytest.raises(ValueError, match="ttt_steps"):
+        run()
 
 
 def test_trained_head_beats_random_head_in_the_engine(tmp_path):

@@ -54,6 +54,12 @@ def target_fingerprint(target, name: str | None = None) -> dict:
             "weights_sha1": h.hexdigest()}
 
 
+def _same_target(a: dict | None, b: dict) -> bool:
+    """Fingerprints equal up to the name the model was given (a path or a short name for the same file)."""
+    strip = lambda d: {k: v for k, v in (d or {}).items() if k != "name"}  # noqa: E731
+    return strip(a) == strip(b)
+
+
 def _to_u16(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
@@ -121,11 +127,12 @@ class FeatureStore:
             "loss_mask": torch.from_numpy(a["loss_mask"][sl].astype(bool)),
         }
 
-    def token_counts(self, vocab_size: int, split: str = "train") -> torch.Tensor:
+    def token_counts(self, vocab_size: int, refs: str | Sequence[SeqRef] = "train") -> torch.Tensor:
         """How often each target id is the target's greedy next token at a position whose next token is a
-        response token: the tokens the draft head has to propose (input of ``build_vocab_map``)."""
+        response token: the tokens the draft head has to propose (input of ``build_vocab_map``). ``refs``:
+        a split name or the sequences to count."""
         counts = np.zeros(vocab_size, dtype=np.int64)
-        for ref in self.split(split):
+        for ref in (self.split(refs) if isinstance(refs, str) else refs):
             a = self.arrays(ref.shard)
             am = a["argmax"][ref.offset:ref.offset + ref.length - 1]
             nxt_resp = a["loss_mask"][ref.offset + 1:ref.offset + ref.length].astype(bool)
@@ -199,7 +206,7 @@ def extract_features(folder: str | os.PathLike, target, sequences: Sequence[Toke
     meta_path = folder / "store.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("target") != fp:
+        if not _same_target(meta.get("target"), fp):
             raise ValueError(f"the features in {folder} were extracted from another target "
                              f"({meta.get('target')}); use another --out for this target ({fp})")
     else:
@@ -242,6 +249,12 @@ def extract_features(folder: str | os.PathLike, target, sequences: Sequence[Toke
     bar.close()
     stats["seconds"] = time.perf_counter() - t_start
     stats["tokens_per_s"] = stats["tokens"] / stats["seconds"] if stats["seconds"] > 0 else 0.0
+    if todo:  # totals over every run that added to this store
+        meta["extraction_seconds"] = meta.get("extraction_seconds", 0.0) + stats["seconds"]
+        meta["extracted_tokens"] = meta.get("extracted_tokens", 0) + stats["tokens"]
+        tmp = meta_path.with_name("store.json.tmp")
+        tmp.write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, meta_path)
     return stats
 
 

@@ -79,6 +79,9 @@ class TrainHeadConfig:
     """Passes over the training sequences."""
     ttt_steps: int = 7
     """K: unrolled training-time-test steps (EAGLE-3 uses 7)."""
+    val_steps: int = 8
+    """Draft steps evaluated in validation (at least ``ttt_steps``): 8 = the static tree's depth, so the
+    chain estimate covers what inference drafts even when training unrolls fewer steps."""
     step_decay: float = 0.8
     """Loss weight of step k is ``step_decay ** k``."""
     lr: float = 2e-3
@@ -127,7 +130,7 @@ class TrainHeadConfig:
         if self.source not in ("self", "sharegpt"):
             raise ValueError(f"source must be 'self' or 'sharegpt', got {self.source!r}")
         for name in ("num_prompts", "max_len", "max_new_tokens", "gen_batch_size", "draft_vocab", "epochs",
-                     "ttt_steps", "batch_tokens", "val_every", "ckpt_every", "log_every"):
+                     "ttt_steps", "val_steps", "batch_tokens", "val_every", "ckpt_every", "log_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -275,14 +278,15 @@ class _Meter:
 class HeadTrainer:
     """Trains a draft head on a :class:`FeatureStore` with the TTT loss."""
 
-    def __init__(self, cfg: TrainHeadConfig, target, store: FeatureStore) -> None:
+    def __init__(self, cfg: TrainHeadConfig, target, store: FeatureStore, ids: set[str] | None = None) -> None:
+        """``ids``: train/validate on these sequences of the store only (default: all)."""
         self.cfg = cfg
         self.target = target
         self.store = store
         self.out = Path(cfg.out)
         self.device = torch.device(cfg.device)
-        self.train_refs = store.split("train")
-        self.val_refs = store.split("val")
+        self.train_refs = [r for r in store.split("train") if ids is None or r.id in ids]
+        self.val_refs = [r for r in store.split("val") if ids is None or r.id in ids]
         if not self.train_refs:
             raise ValueError(f"no training sequences in {store.folder}")
         target.requires_grad_(False)  # the borrowed embeddings stay frozen
@@ -296,7 +300,7 @@ class HeadTrainer:
         vocab = target.config.vocab_size
         if cfg.draft_vocab > vocab:
             raise ValueError(f"--draft-vocab {cfg.draft_vocab} exceeds the target vocabulary ({vocab})")
-        counts = self.store.token_counts(vocab, "train")
+        counts = self.store.token_counts(vocab, self.train_refs)
         head = Eagle3Head.init_for_target(target, cfg.draft_vocab, counts.float(), seed=cfg.seed,
                                           dtype=torch.float32, device=self.device)
         if cfg.init_from_target:
@@ -304,6 +308,9 @@ class HeadTrainer:
                 head.lm_head.weight.copy_(target.lm_head.weight[head.t2d.to(target.device)].float())
                 head.norm.weight.copy_(target.model.norm.weight.float())
         self.vocab_coverage = float(counts[head.t2d.cpu()].sum() / max(1, counts.sum()))
+        if self.val_refs:  # share of held-out greedy tokens the draft vocabulary contains: a ceiling on acceptance
+            val_counts = self.store.token_counts(vocab, self.val_refs)
+            self.val_vocab_coverage = float(val_counts[head.t2d.cpu()].sum() / max(1, val_counts.sum()))
         return head
 
     def _plan(self) -> tuple[list[list[list[SeqRef]]], int]:
@@ -326,12 +333,13 @@ class HeadTrainer:
     @torch.no_grad()
     def validate(self, head: Eagle3Head, lm_rows: torch.Tensor, refs: list[SeqRef] | None = None) -> dict:
         refs = self.val_refs if refs is None else refs
-        meter = _Meter(self.cfg.ttt_steps)
+        steps = max(self.cfg.ttt_steps, self.cfg.val_steps)
+        meter = _Meter(steps)
         head.eval()
         for batch_refs in make_batches(refs, self.cfg.batch_tokens, None):
             batch = self._batch(batch_refs)
             with self._autocast():
-                loss, stats = ttt_loss(head, batch, lm_rows, self.cfg.ttt_steps, self.cfg.step_decay)
+                loss, stats = ttt_loss(head, batch, lm_rows, steps, self.cfg.step_decay)
             meter.add(stats, float(loss), int(batch["input_ids"].numel()), chains=True)
         head.train()
         return meter.summary()
@@ -394,47 +402,59 @@ class HeadTrainer:
         bar = tqdm(total=total, initial=step, desc="train-head", unit="step")
         head.train()
         t_last = time.perf_counter()
-        while step < total and epoch < cfg.epochs:
-            plan = plans[epoch]
-            if pos >= len(plan):
-                epoch, pos = epoch + 1, 0
-                continue
-            t0 = time.perf_counter()
-            batch = self._batch(plan[pos])
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
-            with self._autocast():
-                loss, stats = ttt_loss(head, batch, lm_rows, cfg.ttt_steps, cfg.step_decay)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-            opt.step()
-            step, pos = step + 1, pos + 1
-            train_seconds += time.perf_counter() - t0
-            seen = sum(r.length for r in plan[pos - 1])
-            tokens_this_run += seen
-            meter.add(stats, float(loss.detach()), seen)
-            s = meter.summary()
-            bar.set_postfix(loss=f"{s['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in s["step_acc"][:4]))
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == total:
-                now = time.perf_counter()
-                rec = {"type": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
-                       "grad_norm": gnorm, **s, "tokens_per_s": meter.tokens / max(1e-9, now - t_last),
-                       "train_seconds": train_seconds}
-                self._log(rec)
-                meter.reset()
-                t_last = time.perf_counter()
-            if self.val_refs and (step % cfg.val_every == 0 or step == total):
-                v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
-                history.append(v)
-                self._log(v)
-                bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
-                          + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}")
-                t_last = time.perf_counter()
-            if step % cfg.ckpt_every == 0 or step == total:
+        consistent, saved_step = True, step  # consistent: weights, optimizer and (step, pos) agree
+        try:
+            while step < total and epoch < cfg.epochs:
+                plan = plans[epoch]
+                if pos >= len(plan):
+                    epoch, pos = epoch + 1, 0
+                    continue
+                t0 = time.perf_counter()
+                batch = self._batch(plan[pos])
+                for g in opt.param_groups:
+                    g["lr"] = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
+                with self._autocast():
+                    loss, stats = ttt_loss(head, batch, lm_rows, cfg.ttt_steps, cfg.step_decay)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+                consistent = False
+                opt.step()
+                step, pos = step + 1, pos + 1
+                consistent = True
+                train_seconds += time.perf_counter() - t0
+                seen = sum(r.length for r in plan[pos - 1])
+                tokens_this_run += seen
+                meter.add(stats, float(loss.detach()), seen)
+                s = meter.summary()
+                bar.set_postfix(loss=f"{s['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in s["step_acc"][:4]))
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == total:
+                    now = time.perf_counter()
+                    rec = {"type": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
+                           "grad_norm": gnorm, **s, "tokens_per_s": meter.tokens / max(1e-9, now - t_last),
+                           "train_seconds": train_seconds}
+                    self._log(rec)
+                    meter.reset()
+                    t_last = time.perf_counter()
+                if self.val_refs and (step % cfg.val_every == 0 or step == total):
+                    v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
+                    history.append(v)
+                    self._log(v)
+                    bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
+                              + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}")
+                    t_last = time.perf_counter()
+                if step % cfg.ckpt_every == 0 or step == total:
+                    consistent = False  # an interrupted save leaves the previous checkpoint (atomic swap)
+                    save_checkpoint(ckpt_dir, head, opt, state_dict())
+                    consistent, saved_step = True, step
+                    t_last = time.perf_counter()
+        except KeyboardInterrupt:
+            # Ctrl-C: keep the work done so far (a hard kill falls back to the last periodic checkpoint).
+            if consistent and step > saved_step:
                 save_checkpoint(ckpt_dir, head, opt, state_dict())
-                t_last = time.perf_counter()
+                bar.write(f"interrupted: checkpoint saved at step {step}; rerun with --resume to continue")
+            raise
         bar.close()
         if found is not None and step >= total and not history and self.val_refs:
             history.append({"type": "val", "step": step, **self.validate(head, lm_rows)})
@@ -487,13 +507,13 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     t0 = time.perf_counter()
     wanted = {it.id for it in items}
     seqs = [s for s in read_corpus(out / "corpus") if s.id in wanted]
-    fstats = extract_features(out / "features", target, seqs, fingerprint=target_fingerprint(target, model_name),
-                              batch_tokens=cfg.batch_tokens)
+    extract_features(out / "features", target, seqs, fingerprint=target_fingerprint(target, model_name),
+                     batch_tokens=cfg.batch_tokens)
     store = FeatureStore(out / "features")
     walls["features"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    trainer = HeadTrainer(cfg, target, store)
+    trainer = HeadTrainer(cfg, target, store, ids=wanted)
     result = trainer.run()
     walls["train"] = time.perf_counter() - t0
     head = trainer.head
@@ -511,19 +531,26 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
         "data": {
             "source": cfg.source, "prompt_selection": data_stats,
             "corpus": asdict(corpus) | {"generation_tokens_per_s": corpus.generation_tokens_per_s},
-            "train_sequences": len(store.split("train")), "val_sequences": len(store.split("val")),
-            "train_tokens": store.num_tokens("train"), "val_tokens": store.num_tokens("val"),
+            "train_sequences": len(trainer.train_refs), "val_sequences": len(trainer.val_refs),
+            "train_tokens": sum(r.length for r in trainer.train_refs),
+            "val_tokens": sum(r.length for r in trainer.val_refs),
             "feature_disk_bytes": store.disk_bytes(),
             "disk_bytes_per_token": store.disk_bytes() / max(1, store.num_tokens()),
-            "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage": getattr(trainer, "vocab_coverage", None),
+            "draft_vocab": cfg.draft_vocab, "draft_vocab_coverage_train": getattr(trainer, "vocab_coverage", None),
+            "draft_vocab_coverage_val": getattr(trainer, "val_vocab_coverage", None),
         },
         "throughput": {
             "generation_tokens_per_s": corpus.generation_tokens_per_s,
-            "feature_tokens_per_s_this_run": fstats.get("tokens_per_s"),
+            "feature_tokens_per_s": (store.meta.get("extracted_tokens", 0) / store.meta["extraction_seconds"]
+                                     if store.meta.get("extraction_seconds") else None),
             "train_seconds": result["train_seconds"], "steps": result["steps"],
             "train_tokens_per_s_this_run": result["tokens_per_s_this_run"], "ttt_steps": cfg.ttt_steps,
         },
         "wall_time_s_this_run": walls,
+        "stage_seconds_all_runs": {  # summed over interrupted and resumed runs
+            "generation": corpus.generation_seconds, "features": store.meta.get("extraction_seconds", 0.0),
+            "training": result["train_seconds"],
+            "total": corpus.generation_seconds + store.meta.get("extraction_seconds", 0.0) + result["train_seconds"]},
         "validation": {"final": final, "history": result["history"]},
         "export": str(export),
         "machine": machine_info(),
