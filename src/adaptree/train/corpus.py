@@ -14,8 +14,8 @@ Two sources (``TrainHeadConfig.source``):
   (:func:`render_conversation`); the loss mask covers every assistant turn (content and end-of-turn).
 
 Prompts come from the ``train`` split of :mod:`adaptree.data.splits` (validation sequences from its
-``validation`` split), and any conversation with a user turn equal to an MT-bench or HumanEval prompt
-(whitespace-normalised) is dropped, so evaluation prompts are never trained on.
+``validation`` split), and any conversation with a user turn equal to an MT-bench or HumanEval prompt, or
+containing one (whitespace-normalised), is dropped, so evaluation prompts are never trained on.
 
 A corpus lives in ``<out>/corpus/`` as ``part-NNNNN.jsonl`` files of finished sequences, each written to
 a temporary name and renamed, so an interrupted run leaves only whole parts; a rerun generates only the
@@ -101,13 +101,30 @@ def evaluation_texts() -> set[str]:
     return texts
 
 
+_MIN_CONTAINED = 40
+"""Evaluation prompts at least this long (normalised characters) also count when pasted inside a longer turn."""
+
+
+def mentions_evaluation(messages: Sequence[Message], banned: set[str]) -> bool:
+    """Whether a user turn is an evaluation prompt, or contains one of at least ``_MIN_CONTAINED`` characters
+    (whitespace-normalised; e.g. a HumanEval problem pasted with a request around it)."""
+    long = [b for b in banned if len(b) >= _MIN_CONTAINED]
+    for m in messages:
+        if m["role"] != "user":
+            continue
+        text = _normalize(m["content"])
+        if text in banned or any(b in text for b in long):
+            return True
+    return False
+
+
 def drop_evaluation_prompts(items: Iterable[ConversationItem], banned: set[str] | None = None
                             ) -> tuple[list[ConversationItem], int]:
-    """``items`` without any conversation one of whose user turns is an evaluation prompt."""
+    """``items`` without the conversations that :func:`mentions_evaluation` flags."""
     banned = evaluation_texts() if banned is None else banned
     kept, dropped = [], 0
     for it in items:
-        if any(m["role"] == "user" and _normalize(m["content"]) in banned for m in it.messages):
+        if mentions_evaluation(it.messages, banned):
             dropped += 1
         else:
             kept.append(it)
@@ -144,7 +161,7 @@ def sharegpt_items(num_train: int, num_val: int, seed: int) -> tuple[list[Conver
         if key in seen:
             stats["dropped_duplicates"] += 1
             continue
-        if any(m["role"] == "user" and _normalize(m["content"]) in banned for m in messages):
+        if mentions_evaluation(messages, banned):
             stats["dropped_eval_overlap"] += 1
             continue
         seen.add(key)

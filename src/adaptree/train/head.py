@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from ..models.eagle3 import Eagle3Head
-from .corpus import ConversationItem, build_corpus, corpus_stats, read_corpus, sharegpt_items
+from .corpus import ConversationItem, build_corpus, read_corpus, sharegpt_items
 from .features import FeatureStore, SeqRef, extract_features, target_fingerprint
 from .ttt import chain_lengths, collate, ttt_loss
 
@@ -74,7 +74,11 @@ class TrainHeadConfig:
     target_dtype: str = "bfloat16"
     """Dtype of the target for generation and feature extraction (features are stored as bfloat16)."""
     draft_vocab: int = 8192
-    """Draft vocabulary size (rows of the head's lm_head, length of d2t)."""
+    """Draft vocabulary size (rows of the head's lm_head, length of d2t): the ids most often the target's
+    greedy next token on the training responses. A target token outside it can never be drafted, so the
+    held-out share it covers (``draft_vocab_coverage_val`` in the summary) caps acceptance; on SmolLM2-135M
+    with ~20-50k training positions: 4096 -> 0.79-0.84, 8192 -> 0.88-0.89, 16384 -> 0.94 (more training
+    data raises all three). 8192 keeps the lm_head, the head's largest matmul, at ~45% of its parameters."""
     epochs: int = 2
     """Passes over the training sequences."""
     ttt_steps: int = 7
