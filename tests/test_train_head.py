@@ -260,12 +260,16 @@ def _tiny_cfg(out, **kw):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One short self-distillation run on a tiny target (shared by the tests below)."""
-    torch.set_num_threads(1)
-    target = tiny_target(vocab=VOCAB, seed=7)
-    items, prompts = _prompt_items(24, 6, seed=1)
-    out = tmp_path_factory.mktemp("run")
-    cfg = _tiny_cfg(out, epochs=4, max_steps=16)
-    summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module scope: set up before conftest's per-test one-thread fixture
+    try:
+        target = tiny_target(vocab=VOCAB, seed=7)
+        items, prompts = _prompt_items(24, 6, seed=1)
+        out = tmp_path_factory.mktemp("run")
+        cfg = _tiny_cfg(out, epochs=4, max_steps=16)
+        summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    finally:
+        torch.set_num_threads(threads)
     return target, items, prompts, out, summary
 
 
@@ -363,7 +367,6 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
 
 def test_trained_head_beats_random_head_in_the_engine(tmp_path):
     """End to end: self-distil a tiny target, train briefly, and compare the static-tree tau."""
-    torch.set_num_threads(1)
     target = tiny_target(vocab=VOCAB, seed=11)
     items, prompts = _prompt_items(40, 8, seed=2)
     cfg = _tiny_cfg(tmp_path, num_prompts=40, epochs=12, ttt_steps=4, draft_vocab=VOCAB, max_new_tokens=48,

@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Fields that define the training run: a resumed run must agree with its checkpoint on them.
-_RUN_FIELDS = ("draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay",
+# Fields that define the training run (its data, batches and schedule): a resumed run must agree with its
+# checkpoint on them.
+_RUN_FIELDS = ("source", "num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_temperature",
+               "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay",
                "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed", "init_from_target",
                "train_dtype")
 
