@@ -69,3 +69,22 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "ADAPTREE_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 2 and "temperature must be >= 0, got -1" in out.stderr
+
+
+def test_shipped_head_loads_and_is_lossless(smollm2):
+    from adaptree.models.registry import shipped_head
+
+    folder = shipped_head()
+    if folder is None:
+        pytest.skip("no head shipped for the default model")
+    target, tok = smollm2
+    head = Eagle3Head.from_pretrained(folder, target=target).eval()
+    eng = Engine(target, head, eos_token_ids=tok.eos_token_ids)
+    taus = []
+    for text in ("Give three tips for staying healthy.", "Write a Python function that reverses a string."):
+        ids = tok.apply_chat([{"role": "user", "content": text}])
+        ar = eng.generate(ids, None, max_new_tokens=48)
+        sp = eng.generate(ids, StaticController(), max_new_tokens=48)
+        assert sp.token_ids == ar.token_ids
+        taus.append(sp.tau)
+    assert min(taus) > 1.3  # a trained head is accepted far more often than chance
