@@ -70,7 +70,7 @@ from typing import Iterator
 
 import torch
 
-from .loading import sha256_file
+from .loading import _is_gguf, sha256_file
 
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_MODEL_NAME", "MODELS", "ModelFile", "PartedModelFile", "RegisteredModel",
@@ -478,15 +478,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _is_gguf_file(path: Path) -> bool:
-    if path.is_dir():
-        return False
-    if path.suffix.lower() == ".gguf":
-        return True
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+    return not path.is_dir() and _is_gguf(path)
 
 
 def _cache_root(sha: str) -> Path:
