@@ -227,6 +227,14 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _model_from_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str,
+                           max_seq_len: int | None, dtype: torch.dtype) -> Transformer:
+    """Build an uninitialised model, load ``sd`` strictly (errors name ``source``), finish it."""
+    model = _empty_transformer(cfg, max_seq_len, dtype)
+    load_state_dict_strict(model, sd, source)
+    return _finish(model)
+
+
 def load_state_dict_strict(model: Transformer, state_dict: dict[str, torch.Tensor], source: str) -> None:
     """Load a Hugging Face-layout ``state_dict`` into ``model`` after checking names and shapes.
 
@@ -352,10 +360,8 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype = torch.float32, max_s
     gen_path = folder / "generation_config.json"
     gen_cfg = _read_json(gen_path) if gen_path.is_file() else {}
     sd = read_safetensors_state_dict(folder, dtype=dtype)
-    model = _empty_transformer(cfg, max_seq_len, dtype)
-    load_state_dict_strict(model, sd, str(folder))
+    model = _model_from_state_dict(cfg, sd, str(folder), max_seq_len, dtype)
     del sd
-    model = _finish(model)
     if not with_tokenizer:
         return model, None
     from transformers import AutoTokenizer
@@ -797,10 +803,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len:
     reader = read_gguf(path)
     cfg = gguf_config(reader, path)
     sd = gguf_state_dict(reader, cfg, dtype, path)
-    model = _empty_transformer(cfg, max_seq_len, dtype)
-    load_state_dict_strict(model, sd, str(path))
+    model = _model_from_state_dict(cfg, sd, str(path), max_seq_len, dtype)
     del sd
-    model = _finish(model)
     if not with_tokenizer:
         return model, None
     tok = _gguf_tokenizer(reader, path, _field_value(reader, "general.architecture"))

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .corpus import TokenSequence
+from .corpus import TokenSequence, _write_atomic
 
 FORMAT_VERSION = 1
 _SHARD = re.compile(r"^shard-(\d{5,})$")
@@ -252,9 +252,7 @@ def extract_features(folder: str | os.PathLike, target, sequences: Sequence[Toke
     if todo:  # totals over every run that added to this store
         meta["extraction_seconds"] = meta.get("extraction_seconds", 0.0) + stats["seconds"]
         meta["extracted_tokens"] = meta.get("extracted_tokens", 0) + stats["tokens"]
-        tmp = meta_path.with_name("store.json.tmp")
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, meta_path)
+        _write_atomic(meta_path, json.dumps(meta, indent=2))
     return stats
 
 
