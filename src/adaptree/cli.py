@@ -133,9 +133,19 @@ def cmd_bench(args) -> int:
 
     cfg = BenchConfig(methods=[m for m in args.methods.split(",") if m],
                       datasets=[d for d in args.datasets.split(",") if d], question_file=args.question_file,
-                      limit=args.limit, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      seed=args.seed, repeats=args.repeats, out=args.out)
+                      limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      repeats=args.repeats, reference=args.reference or None,
+                      assistant_model=args.assistant_model, warmup=args.warmup, out=args.out)
+    args.command_line = "adaptree " + " ".join(sys.argv[1:])
     run_bench(cfg, args)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .bench.runner import rebuild_report
+
+    rebuild_report(args.folder)
     return 0
 
 
@@ -212,20 +222,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
 
+    from .controllers import METHODS
+
     b = sub.add_parser("bench", help="benchmark methods side by side: speedup vs AR, tau, losslessness")
     add_model_args(b)
     add_method_args(b)
     b.set_defaults(method=None)
-    b.add_argument("--methods", default="ar,static", help="comma-separated methods (must include ar)")
+    b.add_argument("--methods", default="ar,static",
+                   help="comma-separated arms, must include ar: engine methods (" + ", ".join(METHODS) +
+                        ") and Hugging Face references (hf_generate, hf_prompt_lookup, hf_assisted)")
     b.add_argument("--datasets", default="mt_bench,humaneval", help="comma-separated: mt_bench, humaneval, sharegpt")
     b.add_argument("--question-file", default=None, help="an EAGLE-format question.jsonl, benchmarked too")
-    b.add_argument("--limit", type=_positive_int, default=8, help="prompts per dataset")
-    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--limit", type=_positive_int, default=4, help="prompts per dataset (default 4)")
+    b.add_argument("--turns", type=_positive_int, default=None,
+                   help="turns per conversation (MT-bench has 2; default all, MT-bench protocol)")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="sampling seed (repeat r uses seed + r)")
     b.add_argument("--repeats", type=_positive_int, default=1)
-    b.add_argument("--out", default="runs/bench", help="results folder (results.jsonl is resumed if present)")
+    b.add_argument("--reference", default="static",
+                   help="method the others are tested against (Wilcoxon, speed ratio); '' = none (default static)")
+    b.add_argument("--assistant-model", default=None,
+                   help="hf_assisted: same-tokenizer draft model (default: the registered smaller sibling)")
+    b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="one short untimed generation per arm first (default on)")
+    b.add_argument("--out", default="runs/bench",
+                   help="results folder: results.jsonl (resumed if present), summary.json, report.md, plots")
     b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("report", help="rebuild summary.json, report.md and the plots of a bench folder")
+    r.add_argument("folder", help="a bench --out folder (with results.jsonl and bench_config.json)")
+    r.set_defaults(func=cmd_report)
 
     c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
     add_model_args(c)

@@ -16,26 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .hf_arms import hf_twin
 from .machine import machine_info
-
-
-def hf_twin(target):
-    """A transformers model carrying exactly our target's weights (same dtype)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(target.config.to_hf_dict())
-    model_type = cfg.pop("model_type")
-    cfg.pop("architectures", None)
-    hf_cfg = AutoConfig.for_model(model_type, **cfg)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype).eval()
-    missing, unexpected = model.load_state_dict(target.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and target.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def run_compare(args) -> dict:

@@ -1,23 +1,36 @@
 """``adaptree bench``: every method over the same prompts, side by side, with results files.
 
 Methods are interleaved per prompt (machine drift hits every arm alike), batch size 1, after a
-warm-up; the autoregressive baseline runs on the same engine. Per-run records are appended to
-``results.jsonl`` as they finish (a rerun with the same folder resumes and never duplicates a record);
-``summary.json`` and a printed table come at the end.
+warm-up; the autoregressive baseline runs on the same engine. Multi-turn prompts (MT-bench) follow the
+MT-bench protocol: each method's second turn sees that method's own first answer. Per-run records are
+appended to ``results.jsonl`` as they finish (a rerun with the same folder resumes and never duplicates
+or loses a record); ``summary.json``, ``report.md``, PNG plots and a printed table come at the end
+(:mod:`adaptree.bench.report`). The metrics are defined in docs/benchmarking.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import statistics
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from .machine import machine_info
+from ..records import GenerationResult
+from ..verify import SamplingConfig
+from .hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
+
+Arm = Callable[[list[int], int, SamplingConfig], GenerationResult]
+"""A benchmarked method: ``arm(prompt_ids, max_new_tokens, sampling) -> GenerationResult``."""
+
+RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
+
+# Settings that change what a record measures: a results folder holds records of one setting only.
+_RUN_KEYS = ("model", "dtype", "draft_sha256", "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k",
+             "seed", "threads")
 
 
 @dataclass
@@ -25,32 +38,77 @@ class BenchConfig:
     """What to run. Defaults: the README's main job (default model, small MT-bench + HumanEval subset)."""
 
     methods: list[str] = field(default_factory=lambda: ["ar", "static"])
+    """Arms: engine methods (ar, static, ...) and Hugging Face references (hf_generate, hf_prompt_lookup,
+    hf_assisted). Must include ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
-    limit: int = 8
+    limit: int = 4
     """Prompts per dataset (the first ``limit`` of each)."""
+    turns: int | None = None
+    """Turns per conversation (MT-bench has two); None = all of them, 1 = first turns only."""
     max_new_tokens: int = 128
+    """Per turn."""
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
     seed: int = 0
+    """Sampling seed of repeat r is ``seed + r`` (every arm gets the same seed)."""
     repeats: int = 1
+    reference: str | None = "static"
+    """Method every other one is tested against (paired Wilcoxon, speed ratio); None or absent = skip."""
+    assistant_model: str | None = None
+    """Draft model of ``hf_assisted`` (default: the registered smaller sibling, e.g. 0.5B for 1.5B)."""
+    warmup: bool = True
     out: str = "runs/bench"
 
     def __post_init__(self) -> None:
         from ..controllers import METHODS
+        from ..data.prompts import DATASETS
 
+        valid = (*METHODS, *HF_METHODS)
+        if not self.methods:
+            raise ValueError(f"no methods given; available: {', '.join(valid)}")
         for m in self.methods:
-            if m not in METHODS:
-                raise ValueError(f"unknown method {m!r}; available: {', '.join(METHODS)}")
+            if m not in valid:
+                raise ValueError(f"unknown method {m!r}; available: {', '.join(valid)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"a method is listed twice: {self.methods}")
         if "ar" not in self.methods:
             raise ValueError("the methods must include 'ar': speedups are measured against it")
-        for name, value in (("limit", self.limit), ("max_new_tokens", self.max_new_tokens), ("repeats", self.repeats)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        for d in self.datasets:
+            if d not in DATASETS:
+                raise ValueError(f"unknown dataset {d!r}; available: {', '.join(DATASETS)} (or --question-file PATH)")
+        if not self.datasets and not self.question_file:
+            raise ValueError("no datasets given and no --question-file")
+        for name in ("limit", "max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.turns is not None and self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
+        SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates them
+        if self.reference is not None and self.reference not in self.methods:
+            self.reference = None
+
+    def sampling(self, repeat: int) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, seed=self.seed + repeat)
 
 
-def _prompt_ids(tok, text: str) -> list[int]:
-    return tok.apply_chat([{"role": "user", "content": text}]) if tok.chat_template else tok.encode(text)
+def check_out_dir(out: str | Path) -> Path:
+    """Create ``out`` and prove it writable before any model is loaded."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
+    return path
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def _load_prompts(cfg: BenchConfig):
@@ -63,120 +121,226 @@ def _load_prompts(cfg: BenchConfig):
     return sets
 
 
-def _digest(ids: list[int]) -> str:
-    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
+def _file_sha256(path: Path) -> str:
+    from ..models.loading import sha256_file
+
+    return sha256_file(path)
+
+
+def _run_settings(cfg: BenchConfig, args) -> dict:
+    """What must stay fixed across a resumed run, plus checksums of the weights."""
+    import torch
+
+    from ..models.registry import model_sha256
+
+    from ..models.registry import HEADS_DIR
+
+    draft = getattr(args, "draft_path", None)
+    shown = draft
+    if draft and Path(draft).resolve().parent == HEADS_DIR:  # no machine paths in shareable results
+        shown = f"shipped:{Path(draft).name}"
+    return {"model": args.model or "smollm2-135m", "dtype": args.dtype, "model_sha256": model_sha256(args.model),
+            "draft": shown, "draft_sha256": _file_sha256(Path(draft) / "model.safetensors") if draft else None,
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "top_k": cfg.top_k, "seed": cfg.seed, "threads": torch.get_num_threads()}
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    path = out / CONFIG
+    results = out / RESULTS
+    if not path.exists() and results.exists() and results.stat().st_size:
+        raise ValueError(f"{results} has records but no {CONFIG} saying how they were measured; "
+                         "use another --out (or delete it)")
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())["settings"]
+        except (ValueError, KeyError):
+            old = None
+        if old is not None:
+            diff = [k for k in _RUN_KEYS if old.get(k) != settings.get(k)]
+            if diff:
+                k = diff[0]
+                raise ValueError(f"{out} holds results measured with {k}={old.get(k)!r}, this run has "
+                                 f"{k}={settings.get(k)!r}; use another --out (or delete {out / RESULTS})")
+
+
+def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, Arm]:
+    from ..cli import build_controller
+
+    arms: dict[str, Arm] = {}
+    hf = None
+    for m in cfg.methods:
+        if m in HF_METHODS:
+            from .hf_arms import HFArm, hf_twin
+
+            hf = hf or hf_twin(target)
+            assistant = None
+            if m == "hf_assisted":
+                name = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(args.model))
+                if name is None:
+                    raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
+                                     f"(registered pairs: {DEFAULT_ASSISTANTS})")
+                from ..cli import DTYPES
+                from ..models.registry import load_model
+
+                small, _ = load_model(name, dtype=DTYPES[args.dtype])
+                assistant = hf_twin(small)
+            arms[m] = HFArm(hf, m, tok.eos_token_ids, assistant=assistant)
+        else:
+            args.method = m
+            ctl = build_controller(args, head)
+            arms[m] = (lambda c: lambda ids, n, s: engine.generate(ids, c, max_new_tokens=n, sampling=s))(ctl)
+    return arms
 
 
 def run_bench(cfg: BenchConfig, args) -> dict:
-    from ..cli import build_controller, load_models
+    from ..cli import load_models
     from ..engine import Engine
+    from .report import print_table, write_report
 
+    out = check_out_dir(cfg.out)
+    sets = _load_prompts(cfg)  # bad dataset files fail before the models load
     target, tok, head = load_models(args)
-    if any(m != "ar" for m in cfg.methods) and head is None:
+    if any(m not in HF_METHODS and m != "ar" for m in cfg.methods) and head is None:
         raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
-    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids)
-    controllers = {}
-    for m in cfg.methods:
-        args.method = m
-        controllers[m] = build_controller(args, head)
-    rows = bench_loop(cfg, engine, lambda text: _prompt_ids(tok, text), controllers, _load_prompts(cfg))
-    summary = summarize(rows, cfg)
-    summary["config"] = asdict(cfg)
-    summary["machine"] = machine_info()
-    summary["dtype"] = args.dtype
-    summary["model"] = args.model or "smollm2-135m (default)"
-    summary["draft"] = str(getattr(args, "draft_path", None) or args.draft)
-    out = Path(cfg.out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    settings = _run_settings(cfg, args)
+    _check_settings(out, settings)
+    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
+    arms = build_arms(cfg, args, target, tok, head, engine)
+    from .machine import machine_info
+
+    machine = machine_info()
+    (out / CONFIG).write_text(json.dumps({"config": asdict(cfg), "settings": settings, "machine": machine,
+                                          "command": getattr(args, "command_line", None)}, indent=2))
+
+    def encode(messages):
+        if tok.chat_template:
+            return tok.apply_chat(messages)
+        return tok.encode("\n\n".join(m["content"] for m in messages))
+
+    rows = bench_loop(cfg, arms, encode, tok.decode, sets, max_len=engine.max_len)
+    summary = finish(cfg, rows, out, settings, getattr(args, "command_line", None), machine)
     print_table(summary)
-    print(f"wrote {out / 'results.jsonl'} and {out / 'summary.json'}")
+    write_report(summary, out)
+    print(f"wrote {out / RESULTS}, {out / SUMMARY} and {out / 'report.md'} (+ plots)")
     return summary
 
 
-def _read_done(results: Path) -> dict[tuple, dict]:
-    """Records already written; a line cut by an interruption is dropped (that run is redone) and the
-    file rewritten so later appends stay line-aligned."""
+def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, command: str | None,
+           machine: dict | None) -> dict:
+    """Write ``summary.json`` (metrics, configuration, settings with checksums, machine, command)."""
+    from .machine import machine_info
+    from .report import summarize
+
+    summary = summarize(rows, cfg)
+    summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(), command=command)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def read_records(results: Path) -> dict[tuple, dict]:
+    """Records already written, by key; a line cut by an interruption is dropped (that run is redone) and
+    the file rewritten so later appends stay line-aligned."""
     done: dict[tuple, dict] = {}
     if results.exists():
         for line in results.read_text().splitlines():
             try:
                 r = json.loads(line)
-            except json.JSONDecodeError:
+                key = _key(r)
+            except (json.JSONDecodeError, KeyError, TypeError):
                 continue
-            done[(r["dataset"], r["prompt_id"], r["method"], r["repeat"])] = r
-        results.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+            done[key] = r
+        tmp = results.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in done.values()))
+        os.replace(tmp, results)
     return done
 
 
-def bench_loop(cfg: BenchConfig, engine, encode, controllers: dict, sets) -> list[dict]:
-    """Run every (prompt, repeat) through every controller, interleaved; append each record as it finishes."""
-    from ..verify import SamplingConfig
+def _key(r: dict) -> tuple:
+    return (r["dataset"], r["prompt_id"], r.get("turn", 0), r["method"], r["repeat"])
+
+
+def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], res: GenerationResult) -> dict:
+    cyc = res.cycles
+    return {"dataset": ds, "prompt_id": pid, "turn": turn, "method": method, "repeat": rep,
+            "prompt_tokens": len(ids), "new_tokens": res.new_tokens, "wall_s": res.wall_time_s,
+            "prefill_s": res.prefill_s, "cycles": len(cyc),
+            "accepted_plus_one": sum(c.accepted + 1 for c in cyc),
+            "depth_sum": sum(c.depth for c in cyc), "size_sum": sum(c.size for c in cyc),
+            **res.time_split(), "stop": res.stop_reason, "ids_sha1": _digest(res.token_ids),
+            "token_ids": res.token_ids, "cyc_accepted": [c.accepted for c in cyc],
+            "cyc_depth": [c.depth for c in cyc], "cyc_size": [c.size for c in cyc]}
+
+
+def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int) -> list[dict]:
+    """Run every (prompt, repeat) through every arm, interleaved per prompt; append each record as it
+    finishes. ``encode(messages) -> ids`` renders a conversation; ``decode(ids) -> str`` gives an answer
+    back for the next turn. Returns the records of this configuration (old ones included on resume)."""
+    from ..data.chat import conversation_turns
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = out / "results.jsonl"
-    done = _read_done(results)
+    results = out / RESULTS
+    done = read_records(results)
     jobs = [(ds, p, rep) for rep in range(cfg.repeats) for ds, ps in sets for p in ps]
-    warm = encode("Hello!")  # warm-up: every method once (kernels, allocator, caches)
-    for ctl in controllers.values():
-        engine.generate(warm, ctl, max_new_tokens=8)
+    n_turns = {id(p): len(p.turns) if cfg.turns is None else min(cfg.turns, len(p.turns)) for _, p, _ in jobs}
+    todo = sum(n_turns[id(p)] for _, p, _ in jobs) * len(arms)
+    remaining = todo - sum(1 for ds, p, rep in jobs for t in range(n_turns[id(p)]) for m in arms
+                           if (ds, p.id, t, m, rep) in done)
+    if cfg.warmup and remaining:  # every arm once: kernels, allocator, caches
+        warm = encode([{"role": "user", "content": "Hello!"}])
+        for arm in arms.values():
+            arm(warm, 8, cfg.sampling(0))
+    wanted = []
+    bar = tqdm(total=todo, initial=todo - remaining, desc="bench", unit="gen")
     with results.open("a") as f:
-        for ds, p, rep in tqdm(jobs, desc="bench", unit="prompt"):
-            ids = encode(p.turns[0])
-            for m, ctl in controllers.items():
-                key = (ds, p.id, m, rep)
-                if key in done:
-                    continue
-                sampling = SamplingConfig(cfg.temperature, seed=cfg.seed + rep)
-                res = engine.generate(ids, ctl, max_new_tokens=cfg.max_new_tokens, sampling=sampling)
-                cyc = res.cycles
-                row = {"dataset": ds, "prompt_id": p.id, "method": m, "repeat": rep,
-                       "prompt_tokens": len(ids), "new_tokens": res.new_tokens, "wall_s": res.wall_time_s,
-                       "prefill_s": res.prefill_s, "cycles": len(cyc),
-                       "accepted_plus_one": sum(c.accepted + 1 for c in cyc),
-                       "depth_sum": sum(c.depth for c in cyc), "size_sum": sum(c.size for c in cyc),
-                       **res.time_split(), "stop": res.stop_reason, "ids_sha1": _digest(res.token_ids)}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                done[key] = row
-    return list(done.values())
+        for ds, p, rep in jobs:
+            for m, arm in arms.items():
+                def answer(messages, m=m, arm=arm, ds=ds, p=p, rep=rep):
+                    turn = sum(1 for x in messages if x["role"] == "user") - 1
+                    key = (ds, p.id, turn, m, rep)
+                    if key not in done:
+                        ids = encode(messages)
+                        before = done.get((ds, p.id, turn - 1, m, rep), {})
+                        if "skipped" in before:  # the conversation cannot go on without the earlier answer
+                            row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
+                                   "prompt_tokens": len(ids), "skipped": f"turn {turn} was skipped"}
+                        elif len(ids) >= max_len:
+                            row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
+                                   "prompt_tokens": len(ids), "skipped": f"prompt has {len(ids)} tokens; the "
+                                   f"context limit is {max_len}"}
+                        else:
+                            row = _row(ds, p.id, turn, m, rep, ids, arm(ids, cfg.max_new_tokens, cfg.sampling(rep)))
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                        done[key] = row
+                        bar.update(1)
+                    return done[key]
+
+                turns = conversation_turns(p, answer, max_turns=n_turns[id(p)],
+                                           to_text=lambda r: decode(r.get("token_ids", [])))
+                wanted += [_key(t.result) for t in turns]
+    bar.close()
+    return [done[k] for k in wanted]
 
 
-def summarize(rows: list[dict], cfg: BenchConfig) -> dict:
-    """Per dataset and method: speedup vs AR (ratio of total times; mean of per-prompt ratios),
-    tokens/s, τ, mean depth and V, time split, and prompts whose output differs from AR's."""
-    by = {}
-    for r in rows:
-        by.setdefault((r["dataset"], r["method"]), []).append(r)
-    ar_rows = {(r["dataset"], r["prompt_id"], r["repeat"]): r for r in rows if r["method"] == "ar"}
-    table = {}
-    for (ds, m), rs in sorted(by.items()):
-        pairs = [(r, ar_rows.get((ds, r["prompt_id"], r["repeat"]))) for r in rs]
-        pairs = [(r, a) for r, a in pairs if a is not None]
-        t = sum(r["wall_s"] for r in rs)
-        cycles = sum(r["cycles"] for r in rs)
-        entry = {
-            "runs": len(rs), "total_s": t, "new_tokens": sum(r["new_tokens"] for r in rs),
-            "tokens_per_s": sum(r["new_tokens"] for r in rs) / t if t else 0.0,
-            "tau": sum(r["accepted_plus_one"] for r in rs) / cycles if cycles else 0.0,
-            "mean_depth": sum(r["depth_sum"] for r in rs) / cycles if cycles else 0.0,
-            "mean_v": sum(r["size_sum"] for r in rs) / cycles if cycles else 0.0,
-            "time_split_s": {k: sum(r[k] for r in rs) for k in ("draft_s", "verify_s", "policy_s", "other_s")},
-        }
-        if pairs:
-            entry["speedup_total_time"] = sum(a["wall_s"] for _, a in pairs) / sum(r["wall_s"] for r, _ in pairs)
-            entry["speedup_mean_per_prompt"] = statistics.fmean(a["wall_s"] / r["wall_s"] for r, a in pairs)
-            entry["differs_from_ar"] = sum(r["ids_sha1"] != a["ids_sha1"] for r, a in pairs)
-        table.setdefault(ds, {})[m] = entry
-    return {"results": table, "greedy": cfg.temperature == 0.0}
+def rebuild_report(folder: str | Path) -> dict:
+    """Summary, report and plots again from a bench folder's records (e.g. after an interrupted run, or
+    to re-plot); measures nothing. The records kept are those of the folder's last configuration."""
+    from .report import print_table, write_report
 
-
-def print_table(summary: dict) -> None:
-    head = f"{'dataset':<12}{'method':<10}{'tok/s':>8}{'speedup':>9}{'tau':>7}{'depth':>7}{'V':>7}{'≠AR':>5}"
-    print("\n" + head)
-    print("-" * len(head))
-    for ds, methods in summary["results"].items():
-        for m, e in methods.items():
-            print(f"{ds:<12}{m:<10}{e['tokens_per_s']:>8.1f}{e.get('speedup_total_time', 0):>8.2f}x"
-                  f"{e['tau']:>7.2f}{e['mean_depth']:>7.1f}{e['mean_v']:>7.1f}{e.get('differs_from_ar', 0):>5}")
-    print(f"threads {torch.get_num_threads()}, dtype {summary.get('dtype', '?')}")
+    out = Path(folder)
+    if not (out / CONFIG).is_file() or not (out / RESULTS).is_file():
+        raise FileNotFoundError(f"{str(folder)!r} has no {CONFIG} and {RESULTS}: not a bench folder")
+    saved = json.loads((out / CONFIG).read_text())
+    cfg = BenchConfig(**{**saved["config"], "out": str(out)})
+    done = read_records(out / RESULTS)
+    keep = {(ds, p.id) for ds, ps in _load_prompts(cfg) for p in ps}
+    max_turns = cfg.turns or 1_000_000
+    rows = [r for k, r in done.items() if (k[0], k[1]) in keep and k[2] < max_turns and k[3] in cfg.methods
+            and k[4] < cfg.repeats]
+    summary = finish(cfg, rows, out, saved["settings"], saved.get("command"), saved.get("machine"))
+    print_table(summary)
+    write_report(summary, out)
+    print(f"wrote {out / SUMMARY} and {out / 'report.md'} (+ plots)")
+    return summary

@@ -75,7 +75,7 @@ from .loading import _is_gguf, sha256_file
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_MODEL_NAME", "MODELS", "ModelFile", "PartedModelFile", "RegisteredModel",
     "cache_dir", "default_model_path", "verify_model_file", "model_names", "resolve_model",
-    "assemble_parts", "file_sha256", "float_cache_folder", "load_model",
+    "assemble_parts", "file_sha256", "float_cache_folder", "load_model", "model_sha256",
 ]
 
 log = logging.getLogger(__name__)
@@ -603,6 +603,20 @@ def _gguf_source(name_or_path: str | Path | None, hash_it: bool = True) -> tuple
     if not _is_gguf_file(path):
         return path, None
     return path, file_sha256(path) if hash_it else None
+
+
+def model_sha256(name_or_path: str | Path | None = None) -> str:
+    """A checksum of the model's weights for results files: the pinned sha256 of a registered model, the
+    file's sha256 for a local GGUF, and for a Hugging Face folder the sha256 of its safetensors files'
+    sha256s (sorted by name)."""
+    path, sha = _gguf_source(name_or_path)
+    if sha is not None:
+        return sha
+    assert path is not None
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f"{f.name}:{file_sha256(f)}\n".encode())
+    return h.hexdigest()
 
 
 def float_cache_folder(name_or_path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Path:

@@ -1,0 +1,98 @@
+"""External reference arms for ``adaptree bench``: Hugging Face transformers ``generate`` on the same weights.
+
+- ``hf_generate``: plain greedy (or sampled) autoregressive ``generate``;
+- ``hf_prompt_lookup``: its prompt-lookup decoding (n-gram drafts copied from the prompt);
+- ``hf_assisted``: its assisted generation with a smaller same-tokenizer draft model (for
+  Qwen2.5-Coder-1.5B the 0.5B model; any other pair via ``--assistant-model``).
+
+They show our autoregressive baseline is not a straw man and place adaptree among what a user would
+otherwise pick. Each arm returns a :class:`~adaptree.records.GenerationResult` (no cycles: transformers
+does not expose them) with the EOS token kept, as the engine does, so tokens are counted alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..records import GenerationResult
+from ..verify import SamplingConfig
+
+HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+
+DEFAULT_ASSISTANTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+"""Registered models that have a same-tokenizer smaller sibling to use as HF's assistant."""
+
+
+def hf_twin(target):
+    """A transformers model carrying exactly our target's weights (same dtype)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(target.config.to_hf_dict())
+    model_type = cfg.pop("model_type")
+    cfg.pop("architectures", None)
+    hf_cfg = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype).eval()
+    missing, unexpected = model.load_state_dict(target.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and target.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map onto transformers' model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class HFArm:
+    """One transformers ``generate`` configuration, called like an engine arm.
+
+    :param model: a transformers causal LM (see :func:`hf_twin`).
+    :param method: one of :data:`HF_METHODS`.
+    :param eos_token_ids: generation stops after any of these (kept in the output, as in the engine).
+    :param assistant: the draft model for ``hf_assisted``.
+    :param prompt_lookup_tokens: draft length of prompt lookup (transformers' documented example: 10).
+    """
+
+    def __init__(self, model, method: str, eos_token_ids: Sequence[int] = (), assistant=None,
+                 prompt_lookup_tokens: int = 10) -> None:
+        if method not in HF_METHODS:
+            raise ValueError(f"unknown Hugging Face arm {method!r}; available: {', '.join(HF_METHODS)}")
+        if method == "hf_assisted" and assistant is None:
+            raise ValueError("hf_assisted needs an assistant (draft) model with the same tokenizer")
+        self.model, self.method, self.assistant = model, method, assistant
+        self.eos = [int(t) for t in eos_token_ids]
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+        for m in (model, assistant):
+            if m is not None:
+                m.generation_config.eos_token_id = self.eos or None
+                m.generation_config.pad_token_id = self.eos[0] if self.eos else 0
+
+    def __call__(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> GenerationResult:
+        x = torch.tensor([list(prompt_ids)], device=self.model.device)
+        kw: dict = {"max_new_tokens": max_new_tokens, "attention_mask": torch.ones_like(x)}
+        if sampling.greedy:
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        if self.method == "hf_prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        elif self.method == "hf_assisted":
+            kw["assistant_model"] = self.assistant
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            y = self.model.generate(x, **kw)
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        wall = time.perf_counter() - t0
+        toks = y[0, x.shape[1]:].tolist()
+        stop = "max_new_tokens"
+        for i, t in enumerate(toks):  # keep up to and including the first EOS (nothing is padded at batch 1)
+            if t in self.eos:
+                toks, stop = toks[: i + 1], "eos"
+                break
+        return GenerationResult(prompt_len=len(prompt_ids), token_ids=toks, wall_time_s=wall, stop_reason=stop,
+                                method=self.method)

@@ -1,0 +1,84 @@
+"""Statistics for paired benchmark arms: bootstrap confidence intervals and the Wilcoxon signed-rank test.
+
+Every statistic works on *paired* runs: the same prompt (and turn, and repeat) measured for two arms,
+interleaved in time so machine drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def ratio_of_sums(num: Sequence[float], den: Sequence[float]) -> float:
+    """``sum(num) / sum(den)``: the speedup of total times (AR seconds over method seconds)."""
+    d = float(np.sum(den))
+    return float(np.sum(num)) / d if d > 0 else math.nan
+
+
+def bootstrap_ratio_ci(num: Sequence[float], den: Sequence[float], level: float = 0.95, resamples: int = 4000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of ``sum(num) / sum(den)``, resampling the pairs with replacement.
+
+    With fewer than two pairs the interval is undefined: ``(nan, nan)``.
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
+    if a.size < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.size, size=(resamples, a.size))
+    ratios = a[idx].sum(1) / np.maximum(b[idx].sum(1), 1e-300)
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)
+
+
+def bootstrap_mean_ci(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean (e.g. of per-prompt speed ratios)."""
+    v = np.asarray(values, dtype=float)
+    return bootstrap_ratio_ci(v, np.ones_like(v), level, resamples, seed)
+
+
+def wilcoxon_paired(x: Sequence[float], y: Sequence[float]) -> dict:
+    """Two-sided paired Wilcoxon signed-rank test of ``x`` vs ``y`` (e.g. per-prompt tokens/s of a method
+    vs the reference method), as the Re-SpS paper reports it.
+
+    Returns ``{"n", "statistic", "p_value", "wins"}`` where ``wins`` counts pairs with ``x > y``. Zero
+    differences are dropped (Wilcox's rule); with no non-zero difference the p-value is 1.0.
+    """
+    from scipy.stats import wilcoxon
+
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
+    d = a - b
+    wins = int((d > 0).sum())
+    nz = d[d != 0]
+    if nz.size == 0:
+        return {"n": int(a.size), "statistic": 0.0, "p_value": 1.0, "wins": wins}
+    res = wilcoxon(nz, zero_method="wilcox", alternative="two-sided")
+    return {"n": int(a.size), "statistic": float(res.statistic), "p_value": float(res.pvalue), "wins": wins}
+
+
+def acceptance_by_position(accepted: Sequence[int], depths: Sequence[int]) -> dict[str, list[float]]:
+    """Per draft position i = 1..max depth, from per-cycle accepted lengths (bonus excluded) and depths:
+
+    - ``at_least[i-1]`` = P(accepted >= i): the share of cycles that got at least i draft tokens;
+    - ``conditional[i-1]`` = P(accepted >= i | accepted >= i-1 and the tree reached depth i): how often
+      the i-th draft token is accepted once it is reachable (the "per-position acceptance rate").
+    """
+    acc, dep = np.asarray(accepted, dtype=int), np.asarray(depths, dtype=int)
+    if acc.size == 0 or dep.max(initial=0) == 0:
+        return {"at_least": [], "conditional": []}
+    at_least, conditional = [], []
+    for i in range(1, int(dep.max()) + 1):
+        at_least.append(float((acc >= i).mean()))
+        reach = (acc >= i - 1) & (dep >= i)
+        conditional.append(float((acc[reach] >= i).mean()) if reach.any() else math.nan)
+    return {"at_least": at_least, "conditional": conditional}
