@@ -40,12 +40,42 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     from .controllers import METHODS
     from .controllers.static import StaticConfig
 
-    d = StaticConfig()
+    from .controllers import DDDConfig, DeagleConfig, GammatuneConfig, SVIPConfig
+
+    d, dg, dd, sv, gt = StaticConfig(), DeagleConfig(), DDDConfig(), SVIPConfig(), GammatuneConfig()
     p.add_argument("--method", choices=METHODS, default=None,
-                   help="ar = autoregressive; static = EAGLE-3 static tree (default: static with a draft head, else ar)")
-    p.add_argument("--width", "-W", type=int, default=d.width, help=f"static: beam width W (default {d.width})")
-    p.add_argument("--depth", "-D", type=int, default=d.depth, help=f"static: draft depth D (default {d.depth})")
-    p.add_argument("--size", "-V", type=int, default=d.size, help=f"static: verification size V (default {d.size})")
+                   help="ar = autoregressive; static = EAGLE-3 static tree; deagle, ddd, svip = EAGLE-3 tree with "
+                        "a dynamic depth; gammatune = per-cycle depth from the acceptance rate (default: static with "
+                        "a draft head, else ar)")
+    p.add_argument("--width", "-W", type=int, default=None, help=f"beam width W, every tree method (default {d.width})")
+    p.add_argument("--depth", "-D", type=int, default=None,
+                   help=f"static: draft depth D (default {d.depth}); deagle/ddd/svip: maximum depth (default "
+                        f"{dg.depth}); gammatune: default depth D0 (default {gt.depth})")
+    p.add_argument("--size", "-V", type=int, default=None, help=f"verification size V, every tree method (default {d.size})")
+    p.add_argument("--deagle-tau-s", type=float, default=dg.tau_s,
+                   help=f"deagle: stop vote if the top-W survival sum S_d < this (default {dg.tau_s})")
+    p.add_argument("--deagle-tau-rho", type=float, default=dg.tau_rho,
+                   help=f"deagle: momentum vote once S_d/S_(d-1) < this twice in a cycle (default {dg.tau_rho})")
+    p.add_argument("--deagle-votes", default=",".join(dg.votes),
+                   help="deagle: comma-separated votes cast, of survival, momentum, expected (default all three)")
+    p.add_argument("--deagle-min-votes", type=int, default=None,
+                   help=f"deagle: votes needed to stop (default {dg.min_votes}, or 1 when a single vote is given)")
+    p.add_argument("--deagle-expected-offset", type=int, default=dg.expected_offset,
+                   help=f"deagle: expected vote if d >= ceil(E_d) + this; 1 counts the bonus token, 0 is the literal "
+                        f"rule (default {dg.expected_offset})")
+    p.add_argument("--ddd-threshold", type=float, default=dd.threshold,
+                   help=f"ddd: stop if the beam's cumulative log-prob is below this at a checked depth "
+                        f"(default {dd.threshold})")
+    p.add_argument("--ddd-check-depths", default=",".join(map(str, dd.check_depths)),
+                   help="ddd: comma-separated depths after which the threshold is checked (default 5,7,9)")
+    p.add_argument("--ddd-heuristic", choices=("logsumexp", "best"), default=dd.heuristic,
+                   help="ddd: logsumexp of the beam's scores (DDD's) or the best path's score (default logsumexp)")
+    p.add_argument("--svip-entropy-factor", type=float, default=sv.entropy_factor,
+                   help=f"svip: gamma of the acceptance bound 1 - sqrt(gamma*H) (default {sv.entropy_factor})")
+    p.add_argument("--svip-min-entropy", type=float, default=sv.min_entropy,
+                   help=f"svip: stop once sqrt(gamma*H) of the best beam node exceeds this (default {sv.min_entropy})")
+    p.add_argument("--gammatune-rate", type=float, default=gt.rate,
+                   help=f"gammatune: smoothing rate eta of the acceptance rate (default {gt.rate})")
 
 
 def load_models(args):
@@ -71,9 +101,22 @@ def build_controller(args, head):
     from .controllers import make_controller
 
     method = args.method or ("static" if head is not None else "ar")
-    if method == "static":
-        return make_controller("static", width=args.width, depth=args.depth, size=args.size)
-    return make_controller(method)
+    if method == "ar":
+        return make_controller("ar")
+    # Flags only when given / present, so each method keeps its own defaults (depth: static 8, deagle 12, ...).
+    flags = {"width": "width", "depth": "depth", "size": "size"}
+    flags.update({
+        "deagle": {"tau_s": "deagle_tau_s", "tau_rho": "deagle_tau_rho", "votes": "deagle_votes",
+                   "min_votes": "deagle_min_votes", "expected_offset": "deagle_expected_offset"},
+        "ddd": {"threshold": "ddd_threshold", "check_depths": "ddd_check_depths", "heuristic": "ddd_heuristic"},
+        "svip": {"entropy_factor": "svip_entropy_factor", "min_entropy": "svip_min_entropy"},
+        "gammatune": {"rate": "gammatune_rate"},
+    }.get(method, {}))
+    opts = {field: getattr(args, attr) for field, attr in flags.items() if getattr(args, attr, None) is not None}
+    if method == "deagle" and "votes" in opts:
+        opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
+        opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
+    return make_controller(method, **opts)
 
 
 def encode_prompt(tok, text: str, chat: bool | None) -> list[int]:
@@ -147,6 +190,39 @@ def cmd_report(args) -> int:
 
     rebuild_report(args.folder)
     return 0
+
+
+def cmd_tune_static(args) -> int:
+    from .bench.tune import TuneConfig, run_tune
+
+    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
+    cfg = TuneConfig(depths=ints(args.depths), sizes=ints(args.sizes), widths=ints(args.widths), prompts=args.prompts,
+                     first_round_prompts=args.first_round_prompts, eta=args.eta,
+                     max_new_tokens=args.max_new_tokens, seed=args.seed, out=args.out)
+    args.command_line = "adaptree " + " ".join(sys.argv[1:])
+    run_tune(cfg, args)
+    return 0
+
+
+def add_tune_parser(sub) -> None:
+    from .bench.tune import TuneConfig
+
+    d = TuneConfig()
+    csv = lambda xs: ",".join(map(str, xs))  # noqa: E731
+    t = sub.add_parser("tune-static", help="grid search (successive halving, measured tokens/s) for the static tree; "
+                                           "the choice is --method static-gs")
+    add_model_args(t)
+    t.add_argument("--depths", default=csv(d.depths), help=f"draft depths to try (default {csv(d.depths)})")
+    t.add_argument("--sizes", default=csv(d.sizes), help=f"verification sizes V to try (default {csv(d.sizes)})")
+    t.add_argument("--widths", default=csv(d.widths), help=f"beam widths W to try (default {csv(d.widths)})")
+    t.add_argument("--prompts", type=_positive_int, default=d.prompts,
+                   help=f"tuning prompts, disjoint from the benchmark's (default {d.prompts})")
+    t.add_argument("--first-round-prompts", type=_positive_int, default=d.first_round_prompts)
+    t.add_argument("--eta", type=int, default=d.eta, help="keep 1/eta of the configs per round (default 3)")
+    t.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens)
+    t.add_argument("--seed", type=int, default=d.seed)
+    t.add_argument("--out", default=d.out, help=f"search folder (tune.jsonl resumed; static_gs.json; default {d.out})")
+    t.set_defaults(func=cmd_tune_static)
 
 
 def cmd_compare_hf(args) -> int:
@@ -265,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare_hf)
 
     add_train_head_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 
