@@ -36,6 +36,23 @@ class DraftStep:
     """Cumulative log-probs of all children scored by this forward: ``[W, W]`` (``[1, W]`` at depth 1)."""
     tree: "DraftTree" = field(repr=False)
     """The whole tree so far (all candidates: :meth:`DraftTree.candidate_scores`)."""
+    logp: torch.Tensor | None = field(default=None, repr=False)
+    """``[P, draft_vocab]`` log-probs of the distributions this forward produced (one row per expanded
+    node, the rows of ``child_scores``); kept by reference, nothing is computed unless asked for."""
+    beam_rows: torch.Tensor | None = field(default=None, repr=False)
+    """``[W]`` row of ``child_scores`` / ``logp`` each beam node came from (its parent's distribution)."""
+
+    @cached_property
+    def entropy(self) -> torch.Tensor:
+        """``[P]`` entropy (nats) of each distribution of this forward, computed on first use."""
+        if self.logp is None:
+            raise ValueError("this DraftStep carries no log-probs")
+        return torch.special.entr(self.logp.exp()).sum(-1)  # -p log p, 0 where p = 0 (masked logits)
+
+    @property
+    def beam_entropy(self) -> torch.Tensor:
+        """``[W]`` entropy of the distribution each beam node was drafted from (descending-score order)."""
+        return self.entropy[self.beam_rows]
 
 
 @dataclass
@@ -113,6 +130,7 @@ class DraftTree:
         """Score the top-W children of each of the ``P`` rows of ``logits``, record them as the next
         level of candidates and pick the next beam; returns their cumulative scores ``[P, W]``."""
         logp = torch.log_softmax(logits.float(), dim=-1)
+        self.level_logp = logp  # for DraftStep.entropy, computed only when a controller asks
         top_lp, top_ids = logp.topk(self.width, dim=-1)
         child_scores = parent_scores[:, None] + top_lp
         p, w = child_scores.shape
@@ -147,7 +165,8 @@ class DraftTree:
         # Every depth-1 beam node takes the root position's output hidden as its input hidden.
         self.beam_hidden = out_hidden[0, -1:].expand(self.beam_tokens.numel(), -1)
         self.beam_anc = torch.zeros(self.beam_tokens.numel(), 0, dtype=torch.bool, device=logits.device)
-        return DraftStep(1, self.width, self.context_len, self.beam_tokens, self.beam_scores, child, self)
+        return DraftStep(1, self.width, self.context_len, self.beam_tokens, self.beam_scores, child, self,
+                         self.level_logp, self.beam_rows)
 
     def step(self) -> DraftStep:
         """One draft forward over the current beam; its W×W children become candidates."""
@@ -163,7 +182,7 @@ class DraftTree:
         self.beam_hidden = out_hidden[0, rows]
         self.beam_anc = mask[rows]
         return DraftStep(self.depth, self.width, self.context_len, self.beam_tokens, self.beam_scores,
-                         child, self)
+                         child, self, self.level_logp, self.beam_rows)
 
     def discard(self) -> None:
         """Drop the tree's throw-away KV entries, keeping the committed context."""

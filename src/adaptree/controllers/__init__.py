@@ -1,12 +1,27 @@
 """Controllers: one small module per method, all plugged into the one engine loop."""
 
 from .base import Controller, CycleContext, TreePlan
+from .ddd import DDDConfig, DDDController
+from .deagle import DeagleConfig, DeagleController
+from .gammatune import GammatuneConfig, GammatuneController
 from .static import AutoregressiveController, StaticConfig, StaticController
+from .svip import SVIPConfig, SVIPController
 
 __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController", "StaticConfig",
-           "StaticController", "make_controller", "METHODS"]
+           "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
+           "SVIPController", "GammatuneConfig", "GammatuneController", "make_controller", "METHODS",
+           "CONFIGS"]
 
-METHODS = ("ar", "static")
+METHODS = ("ar", "static", "deagle", "ddd", "svip", "gammatune")
+
+CONFIGS = {
+    "static": (StaticConfig, StaticController),
+    "deagle": (DeagleConfig, DeagleController),
+    "ddd": (DDDConfig, DDDController),
+    "svip": (SVIPConfig, SVIPController),
+    "gammatune": (GammatuneConfig, GammatuneController),
+}
+"""Method name -> (config dataclass, controller class) for every configurable method."""
 
 
 def make_controller(method: str, **options) -> Controller:
@@ -15,6 +30,14 @@ def make_controller(method: str, **options) -> Controller:
         if options:
             raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
         return AutoregressiveController()
-    if method == "static":
-        return StaticController(StaticConfig(**options))
+    if method in CONFIGS:
+        config_cls, controller_cls = CONFIGS[method]
+        try:
+            config = config_cls(**options)
+        except TypeError as exc:  # an unknown field: name the method and its fields
+            from dataclasses import fields
+
+            names = ", ".join(f.name for f in fields(config_cls))
+            raise ValueError(f"bad options for method {method!r}: {exc}; its fields: {names}") from None
+        return controller_cls(config)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
