@@ -51,7 +51,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", "-D", type=int, default=None,
                    help=f"static: draft depth D (default {d.depth}); deagle/ddd/svip: maximum depth (default "
                         f"{dg.depth}); gammatune: default depth D0 (default {gt.depth})")
-    p.add_argument("--size", "-V", type=int, default=None, help=f"verification size V, every tree method (default {d.size})")
+    p.add_argument("--size", "-V", type=int, default=None,
+                   help=f"verification size V, every tree method (default {d.size})")
     p.add_argument("--deagle-tau-s", type=float, default=dg.tau_s,
                    help=f"deagle: stop vote if the top-W survival sum S_d < this (default {dg.tau_s})")
     p.add_argument("--deagle-tau-rho", type=float, default=dg.tau_rho,
