@@ -343,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_head_parser(sub)
     add_tune_parser(sub)
+    __import__("adaptree.rl.cli", fromlist=["add_traces_parser"]).add_traces_parser(sub)  # traces, simulate
     return parser
 
 

@@ -1,0 +1,192 @@
+"""A calibrated latency model of the draft-and-verify cycle, for the simulator.
+
+Two bilinear fits, one per kind of forward, plus a constant per-cycle overhead::
+
+    draft step (one head forward over W beam nodes at context L):  a0 + a1*W + a2*L + a3*W*L
+    verification (one target forward over V+1 nodes at context L): b0 + b1*N + b2*L + b3*N*L,  N = V + 1
+
+A cycle of depth d costs ``d`` draft steps, one verification and ``other_s``. Parameters are plain
+JSON (:meth:`LatencyModel.save` / :meth:`LatencyModel.load`). :func:`calibrate` micro-benchmarks the
+real pieces (the head's tree step and the target's tree forward on caches filled to L) and fits them;
+:meth:`LatencyModel.fit` takes any measured samples (e.g. from live cycle records).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+FEATURES = ("1", "x", "L", "x*L")
+
+
+def _design(x: np.ndarray, L: np.ndarray) -> np.ndarray:
+    x, L = np.asarray(x, np.float64), np.asarray(L, np.float64)
+    return np.stack([np.ones_like(x), x, L, x * L], axis=-1)
+
+
+@dataclass
+class LatencyModel:
+    """Seconds per draft step and per verification as bilinear functions of (size, context length)."""
+
+    draft: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    """Coefficients of (1, W, L, W*L) for one draft forward."""
+    verify: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    """Coefficients of (1, V+1, L, (V+1)*L) for one target forward."""
+    other_s: float = 0.0
+    """Per-cycle overhead outside drafting and verification (acceptance, cache compaction)."""
+    meta: dict = field(default_factory=dict)
+    """Where it was measured (device, dtype, model digests...); informational."""
+
+    def __post_init__(self) -> None:
+        for name in ("draft", "verify"):
+            v = [float(c) for c in getattr(self, name)]
+            if len(v) != 4:
+                raise ValueError(f"LatencyModel.{name} needs 4 coefficients {FEATURES}, got {len(v)}")
+            setattr(self, name, v)
+
+    def draft_step(self, width: int, context_len: int) -> float:
+        a = self.draft
+        return max(0.0, a[0] + a[1] * width + a[2] * context_len + a[3] * width * context_len)
+
+    def draft_time(self, width: int, depth: int, context_len: int) -> float:
+        return depth * self.draft_step(width, context_len) if depth > 0 else 0.0
+
+    def verify_time(self, size: int, context_len: int) -> float:
+        b, n = self.verify, size + 1
+        return max(0.0, b[0] + b[1] * n + b[2] * context_len + b[3] * n * context_len)
+
+    def cycle_time(self, width: int, depth: int, size: int, context_len: int) -> float:
+        return self.draft_time(width, depth, context_len) + self.verify_time(size, context_len) + self.other_s
+
+    # ---- fitting ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _lstsq(x, L, t) -> list[float]:
+        a = _design(x, L)
+        t = np.asarray(t, np.float64)
+        if len(t) < 4:
+            raise ValueError(f"need at least 4 timing samples to fit, got {len(t)}")
+        coef, *_ = np.linalg.lstsq(a, t, rcond=None)
+        return coef.tolist()
+
+    @classmethod
+    def fit(cls, draft_samples: Iterable[tuple[int, int, float]], verify_samples: Iterable[tuple[int, int, float]],
+            other_s: float = 0.0, meta: dict | None = None) -> "LatencyModel":
+        """Least-squares fit. ``draft_samples``: (W, L, seconds per draft forward); ``verify_samples``:
+        (V, L, seconds per target forward over V+1 nodes)."""
+        d = np.asarray(list(draft_samples), np.float64).reshape(-1, 3)
+        v = np.asarray(list(verify_samples), np.float64).reshape(-1, 3)
+        return cls(cls._lstsq(d[:, 0], d[:, 1], d[:, 2]), cls._lstsq(v[:, 0] + 1, v[:, 1], v[:, 2]),
+                   float(other_s), dict(meta or {}))
+
+    @classmethod
+    def fit_records(cls, records: Iterable, meta: dict | None = None) -> "LatencyModel":
+        """Fit from live :class:`~adaptree.records.CycleRecord` objects (or their dicts): per-step draft
+        time = draft_s / depth, verification time = verify_s, overhead = median other_s."""
+        draft, verify, other = [], [], []
+        for r in records:
+            r = r if isinstance(r, dict) else r.to_dict()
+            if r["depth"] > 0:
+                draft.append((r["width"], r["context_len"], r["draft_s"] / r["depth"]))
+            verify.append((r["size"], r["context_len"], r["verify_s"]))
+            other.append(r.get("other_s", 0.0))
+        return cls.fit(draft, verify, statistics.median(other) if other else 0.0, meta)
+
+    # ---- files ------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LatencyModel":
+        unknown = set(d) - {"draft", "verify", "other_s", "meta"}
+        if unknown:
+            raise ValueError(f"unknown latency model fields {sorted(unknown)}")
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LatencyModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _time(fn, repeats: int, sync) -> float:
+    fn()  # warm-up
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+@torch.inference_mode()
+def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Sequence[int] = (0, 16, 32, 60, 120, 240),
+              lengths: Sequence[int] = (64, 256, 512, 1024), repeats: int = 5, tree_levels: int = 4) -> LatencyModel:
+    """Micro-benchmark the engine's pieces on ``target``/``head`` and fit a :class:`LatencyModel`.
+
+    Draft: a :class:`~adaptree.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
+    the cache after L committed positions. Verify: a target forward over a random tree of V+1 nodes after
+    L cached positions. Cache contents are zeros (values do not change the time). Lengths past the
+    model's context limit are skipped. Takes minutes on a real model: not for a shared, busy machine.
+    """
+    from ..tree import ancestor_mask
+
+    dev = target.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    max_len = target.max_seq_len
+    lengths = [L for L in lengths if L + max(sizes) + 1 < max_len]
+    if not lengths:
+        raise ValueError(f"no calibration length fits the context limit {max_len}")
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    hidden = head.config.hidden_size
+    draft_samples, verify_samples = [], []
+    dcache = head.new_cache(max(lengths) + max(widths) * (tree_levels + 1) + 1)
+    for L in lengths:
+        for w in widths:
+            toks = torch.randint(0, vocab, (1, w), generator=gen).to(dev)
+            h = torch.randn(1, w, hidden, generator=gen).to(device=dev, dtype=head.dtype)
+            pos = torch.full((w,), L + tree_levels, dtype=torch.long, device=dev)
+            mask = torch.cat([torch.zeros(w, w * tree_levels, dtype=torch.bool, device=dev),
+                              torch.eye(w, dtype=torch.bool, device=dev)], dim=1)
+
+            def draft_step():
+                dcache.length = L + w * tree_levels
+                head(h, toks, position_ids=pos, cache=dcache, tree_mask=mask)
+
+            draft_samples.append((w, L, _time(draft_step, repeats, sync)))
+        cache = target.new_cache(L + max(sizes) + 1)
+        for v in sizes:
+            n = v + 1
+            parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+            depth = torch.zeros(n, dtype=torch.long)
+            for i in range(1, n):
+                depth[i] = depth[parents[i]] + 1
+            tmask = ancestor_mask(parents, depth).to(dev)
+            toks = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
+            positions = (L + depth).to(dev)
+
+            def verify_fwd():
+                cache.length = L
+                target(toks, position_ids=positions, cache=cache, tree_mask=tmask if v else None, features=True)
+
+            verify_samples.append((v, L, _time(verify_fwd, repeats, sync)))
+    meta = {"device": str(dev), "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "widths": list(widths), "sizes": list(sizes), "lengths": list(lengths), "repeats": repeats,
+            "draft_samples": draft_samples, "verify_samples": verify_samples}
+    return LatencyModel.fit(draft_samples, verify_samples, 0.0, meta)

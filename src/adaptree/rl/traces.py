@@ -1,0 +1,578 @@
+"""Greedy traces: the draft tree the head grows at every position of the autoregressive output.
+
+With greedy decoding every cycle's context is a prefix of the autoregressive output, so the tree
+drafted at a cycle depends only on where the cycle's root is, and the accepted length of any
+sub-tree follows from the recorded continuation. :func:`record_trace` records, for one prompt:
+
+- the greedy output ``y_0 .. y_{M-1}`` (the engine's tokens up to its stop, then ``max_depth + 1``
+  look-ahead tokens so that a cycle near the end still knows how much it would have accepted);
+- for every root ``y_j`` the engine could reach (``j < end``) and every beam width W of the settings,
+  the tree grown to ``max_depth`` levels exactly as :class:`~adaptree.tree.DraftTree` stores it:
+  candidate tokens and cumulative log-probs level by level (level 1: W, later levels: W*W) and the
+  beam (positions within the level of the W nodes expanded next), from which the parents follow;
+- the target's low/mid/high features of the last accepted position (what a controller sees as
+  ``CycleContext.features``), float16 by default.
+
+How it is computed: one autoregressive run on the :class:`~adaptree.engine.Engine` (plus the
+look-ahead), one target forward over the whole sequence for the features, one draft-head prefill over
+all positions, then for every root: truncate the head cache to the root's context, ``first_step`` with
+the single pending (feature, root) pair and ``step`` to ``max_depth``. The live engine feeds the head
+in chunks (one per accepted path) and takes the features from its tree-verification forwards, so the
+recorded scores can differ from a live run's in the last float bits (tests/test_traces.py measures
+it); the discrete outcome (tokens, beams, selections, accepted lengths) is what the simulator must
+and does reproduce.
+
+On disk (:func:`save_trace`): one safetensors file per prompt (numpy arrays, no pickles) whose
+metadata key ``adaptree_trace`` holds a JSON header: format version, fingerprints (sha256) of the
+target, the head and the settings, the settings themselves, the prompt's key, the stop reason and
+the emitted length. Tensors: ``prompt`` int32 [n], ``output`` int32 [M], ``features`` [end, 3H]
+(absent with ``feature_dtype="none"``), and per width ``w{W}.tokens`` int32 [end, C],
+``w{W}.scores`` float32 [end, C], ``w{W}.beam`` int16 [end, max_depth, W], ``w{W}.entropy`` float32
+[end, max_depth, W] (per-row draft entropies, where the tree code exposes them) with
+C = W + (max_depth - 1) * W * W. A :class:`TraceStore` is a folder of such files plus
+``manifest.json``; recording into it resumes and refuses a different model, head or settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRACE_VERSION = 1
+META_KEY = "adaptree_trace"
+FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32, "none": None}
+
+
+# --------------------------------------------------------------------------------------------------
+# settings and fingerprints
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What a trace is recorded with; part of its fingerprint."""
+
+    widths: tuple[int, ...] = (10,)
+    """Beam widths W to record a tree for at every position (Re-SpS needs several)."""
+    max_depth: int = 12
+    """Levels drafted at every position (LTD's maximum depth)."""
+    max_new_tokens: int = 256
+    """The engine's token limit; the trace covers the output up to it (or EOS) plus a look-ahead."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these (kept in the output), as in the engine."""
+    max_seq_len: int | None = None
+    """The engine's context limit; None = the target's."""
+    feature_dtype: str = "float16"
+    """Stored target features: float16, float32 (exact replay of feature-based controllers) or none."""
+    extra: tuple[tuple[str, str], ...] = ()
+    """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
+
+    def __post_init__(self) -> None:
+        from ..controllers.base import MAX_DEPTH, MAX_WIDTH
+
+        widths = tuple(int(w) for w in self.widths)
+        if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths) or len(set(widths)) != len(widths):
+            raise ValueError(f"widths must be distinct integers in 1..{MAX_WIDTH}, got {self.widths!r}")
+        object.__setattr__(self, "widths", tuple(sorted(widths)))
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in 1..{MAX_DEPTH}, got {self.max_depth}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.feature_dtype!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["widths"] = list(self.widths)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TraceSettings":
+        d = dict(d)
+        d["widths"] = tuple(d["widths"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["extra"] = tuple(dict(d.get("extra") or {}).items())
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _hash_state(h, module: torch.nn.Module, skip: Iterable[str] = ()) -> None:
+    skip = set(skip)
+    for name, t in sorted(module.state_dict().items()):
+        if name in skip:
+            continue
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def model_fingerprint(target: torch.nn.Module) -> str:
+    """sha256 of a target's configuration and weights (dtype included: bf16 and fp32 traces differ)."""
+    h = hashlib.sha256(b"adaptree-target|")
+    h.update(repr(target.config).encode())
+    _hash_state(h, target)
+    return h.hexdigest()
+
+
+def head_fingerprint(head: torch.nn.Module) -> str:
+    """sha256 of a draft head's configuration and weights (own embeddings included, borrowed ones not:
+    those are the target's, covered by :func:`model_fingerprint`)."""
+    h = hashlib.sha256(b"adaptree-head|")
+    h.update(repr(head.config).encode())
+    _hash_state(h, head)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# in-memory traces
+# --------------------------------------------------------------------------------------------------
+
+
+def num_candidates(width: int, depth: int) -> int:
+    """Candidates of a tree with ``depth`` levels: W + (depth - 1) * W^2."""
+    return 0 if depth <= 0 else width + (depth - 1) * width * width
+
+
+def level_offset(width: int, level: int) -> int:
+    """Index of the first candidate of 1-based ``level`` in the level-by-level storage."""
+    return num_candidates(width, level - 1)
+
+
+@dataclass
+class WidthTrace:
+    """The trees of one width at every root position of one prompt."""
+
+    width: int
+    max_depth: int
+    tokens: np.ndarray
+    """``[J, C]`` int32 candidate target-token ids, level by level."""
+    scores: np.ndarray
+    """``[J, C]`` float32 cumulative log-probs."""
+    beam: np.ndarray
+    """``[J, max_depth, W]`` int16: positions within each level of its beam (the top-W of the level)."""
+    entropy: np.ndarray | None = None
+    """``[J, max_depth, W]`` float32 entropy (nats) of each distribution a level's draft forward produced
+    (row r of level d = the distribution of ``child_scores`` row r; level 1 has one row, the rest NaN);
+    None when the tree code exposes no ``DraftStep.entropy``."""
+    _torch: tuple | None = field(default=None, repr=False)
+
+    @property
+    def candidates(self) -> int:
+        return self.tokens.shape[1]
+
+    def depths(self) -> np.ndarray:
+        """``[C]`` 1-based level of every candidate (the same at every position)."""
+        w = self.width
+        return np.concatenate([np.ones(w, np.int64)] + [np.full(w * w, d, np.int64)
+                                                        for d in range(2, self.max_depth + 1)])
+
+    def parents(self) -> np.ndarray:
+        """``[J, C]`` int64 parent candidate index (-1 for level 1), as ``DraftTree.candidate_parents``."""
+        j, w = self.tokens.shape[0], self.width
+        out = np.empty((j, self.candidates), np.int64)
+        out[:, :w] = -1
+        for d in range(2, self.max_depth + 1):
+            start, prev = level_offset(w, d), level_offset(w, d - 1)
+            cand = self.beam[:, d - 2].astype(np.int64) + prev  # [J, W] beam of level d-1
+            out[:, start:start + w * w] = np.repeat(cand, w, axis=1)
+        return out
+
+    def torch_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens int64, scores float32, parents int64, depths int64, beam int64) as torch tensors, cached."""
+        if self._torch is None:
+            self._torch = (torch.from_numpy(self.tokens.astype(np.int64)), torch.from_numpy(self.scores),
+                           torch.from_numpy(self.parents()), torch.from_numpy(self.depths()),
+                           torch.from_numpy(self.beam.astype(np.int64)))
+        return self._torch
+
+
+@dataclass
+class PromptTrace:
+    """Everything recorded for one prompt (see the module docstring)."""
+
+    key: str
+    prompt: np.ndarray
+    """``[n]`` prompt token ids."""
+    output: np.ndarray
+    """``[M]`` greedy output: the engine's tokens (``end`` of them) then the look-ahead."""
+    end: int
+    """Tokens the engine emits (its stop included: EOS, max_new_tokens or the context limit)."""
+    stop_reason: str
+    max_len: int
+    """The engine's context limit (prompt + generated)."""
+    settings: TraceSettings
+    widths: dict[int, WidthTrace]
+    features: np.ndarray | None = None
+    """``[end, 3H]`` target features of the position before each root (``CycleContext.features``)."""
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    """``model``, ``head``, ``settings`` sha256 digests."""
+    info: dict = field(default_factory=dict)
+    """Diagnostics (e.g. ``full_forward_mismatches``: output tokens the single full forward disagrees on)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return self.settings.max_depth
+
+    def width(self, w: int) -> WidthTrace:
+        if w not in self.widths:
+            raise ValueError(f"width W={w} was not recorded in trace {self.key!r} (recorded: "
+                             f"{', '.join(map(str, sorted(self.widths)))}); record it with --width {w}")
+        return self.widths[w]
+
+    def header(self) -> dict:
+        return {"version": TRACE_VERSION, "key": self.key, "end": self.end, "stop_reason": self.stop_reason,
+                "max_len": self.max_len, "settings": self.settings.to_dict(), "fingerprints": self.fingerprints,
+                "info": self.info}
+
+
+# --------------------------------------------------------------------------------------------------
+# acceptance from a trace
+# --------------------------------------------------------------------------------------------------
+
+
+def match_mask(wt: WidthTrace, output: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """``[J', C]`` bool: candidate's whole path equals the greedy continuation after root ``j``
+    (``output[j+1], output[j+2], ...``). Continuation tokens past the recorded output never match."""
+    w, d_max = wt.width, wt.max_depth
+    pos = np.arange(wt.tokens.shape[0]) if positions is None else np.asarray(positions)
+    tokens = wt.tokens[pos]
+    m = len(output)
+    padded = np.concatenate([np.asarray(output, np.int64), np.full(d_max + 1, -1, np.int64)])
+    out = np.zeros(tokens.shape, dtype=bool)
+    out[:, :w] = tokens[:, :w] == padded[pos + 1][:, None]
+    for d in range(2, d_max + 1):
+        start, prev = level_offset(w, d), level_offset(w, d - 1)
+        parent_ok = np.take_along_axis(out[:, prev:prev + (w if d == 2 else w * w)],
+                                       wt.beam[pos, d - 2].astype(np.int64), axis=1)  # [J', W] beam rows
+        want = padded[pos + d][:, None]
+        out[:, start:start + w * w] = (tokens[:, start:start + w * w] == want) & np.repeat(parent_ok, w, axis=1)
+    out[pos + 1 >= m] = False  # no continuation recorded at all
+    return out
+
+
+def _top_order(scores: torch.Tensor) -> torch.Tensor:
+    """The order ``DraftTree.select`` ranks candidates in (stable descending sort of the scores)."""
+    return torch.sort(scores, descending=True, stable=True).indices
+
+
+def acceptance_table(wt: WidthTrace, output: np.ndarray, depth: int,
+                     positions: np.ndarray | None = None) -> np.ndarray:
+    """``[J', C_depth + 1]`` int: accepted draft tokens under greedy verification for every size
+    V = 0..C_depth of the tree cut at ``depth`` levels, at every root position.
+
+    The verified tree is the top-V candidates of levels 1..depth by cumulative score (the rule of
+    ``DraftTree.select``); the accepted length is the depth of its deepest node whose path matches
+    the continuation (the selected set is a tree, so that node's ancestors are in it too).
+    """
+    if not 1 <= depth <= wt.max_depth:
+        raise ValueError(f"depth must be in 1..{wt.max_depth}, got {depth}")
+    pos = np.arange(wt.tokens.shape[0]) if positions is None else np.asarray(positions)
+    c = num_candidates(wt.width, depth)
+    match = match_mask(wt, output, pos)[:, :c]
+    gain = torch.from_numpy(np.where(match, wt.depths()[:c], 0))
+    order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[pos, :c])))
+    ranked = torch.gather(gain, 1, order)
+    best = torch.cummax(ranked, dim=1).values
+    return torch.cat([torch.zeros(len(pos), 1, dtype=best.dtype), best], dim=1).numpy()
+
+
+def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: int, size: int,
+                    match: np.ndarray | None = None) -> int:
+    """Accepted draft tokens at root ``position`` for the tree cut at ``depth`` levels, top ``size``
+    candidates verified (``size`` is clamped to the candidate count). ``match``: this position's row
+    of :func:`match_mask`, if already computed."""
+    if depth <= 0 or size <= 0:
+        return 0
+    c = num_candidates(wt.width, depth)
+    v = min(int(size), c)
+    if match is None:
+        match = match_mask(wt, output, np.array([position]))[0]
+    m = match[:c]
+    if not m.any():
+        return 0
+    order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[position, :c])))[:v].numpy()
+    sel = m[order]
+    if not sel.any():
+        return 0
+    return int(wt.depths()[order[sel]].max())
+
+
+# --------------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------------
+
+
+def _step_entropy(step) -> torch.Tensor | None:
+    """Per-row draft entropies of a live DraftStep, where the tree code provides them."""
+    try:
+        ent = step.entropy
+    except (AttributeError, ValueError):
+        return None
+    return ent if isinstance(ent, torch.Tensor) else None
+
+
+@torch.inference_mode()
+def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
+                 max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
+                 key: str = "prompt", fingerprints: dict[str, str] | None = None) -> PromptTrace:
+    """Record the trace of one prompt (see the module docstring).
+
+    :param width: one beam width or several (a tree is recorded per width).
+    :param settings: overrides ``max_new_tokens``, ``width``, ``max_depth`` and ``eos_token_ids``.
+    :param fingerprints: precomputed ``model``/``head`` digests (hashing a large model once per prompt is waste).
+    """
+    from ..engine import TREE_SLOTS, Engine
+    from ..tree import DraftTree
+
+    if settings is None:
+        widths = (width,) if isinstance(width, int) else tuple(width)
+        settings = TraceSettings(widths=widths, max_depth=max_depth, max_new_tokens=max_new_tokens,
+                                 eos_token_ids=tuple(eos_token_ids))
+    s = settings
+    prompt = [int(t) for t in prompt_ids]
+    n = len(prompt)
+    eng = Engine(target, None, eos_token_ids=s.eos_token_ids, max_seq_len=s.max_seq_len)
+    res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
+    out = list(res.token_ids)
+    end, stop = len(out), res.stop_reason
+    if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
+        eng.eos = frozenset()
+        more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
+        out += more.token_ids
+    seq = torch.tensor([prompt + out], dtype=torch.long, device=target.device)
+    total = seq.shape[1]
+
+    # Features of every position from one forward (and a check of its greedy tokens against the run).
+    fwd = target(seq[:, :-1], features=True, logits_at=slice(n - 1, None))
+    feats = fwd.features  # [1, total-1, 3H]
+    from ..verify import greedy_tokens
+    mismatches = int((greedy_tokens(fwd.logits[0]) != seq[0, n:]).sum())
+
+    # Head: one prefill over the committed pairs (f_t, s_{t+1}) for t < n + end - 2, then per root.
+    cache = head.new_cache(eng.max_len + TREE_SLOTS)
+    pre = n + end - 2
+    if pre > 0:
+        head(feats[:, :pre], seq[:, 1:pre + 1], cache=cache, logits_at=slice(-1, None))
+    widths: dict[int, WidthTrace] = {}
+    for w in s.widths:
+        c = num_candidates(w, s.max_depth)
+        tokens = np.zeros((end, c), np.int32)
+        scores = np.zeros((end, c), np.float32)
+        beam = np.zeros((end, s.max_depth, w), np.int16)
+        entropy = np.full((end, s.max_depth, w), np.nan, np.float32)
+        has_entropy = True
+        for j in range(end):
+            ctx = n + j  # target context before root y_j; draft pairs committed: positions < ctx
+            cache.truncate(min(cache.length, ctx - 1))
+            if cache.length != ctx - 1:
+                raise RuntimeError(f"draft cache holds {cache.length} positions, expected {ctx - 1}")
+            tree = DraftTree(head, cache, w, out[j], ctx)
+            step = tree.first_step(feats[:, ctx - 1:ctx], seq[:, ctx:ctx + 1])
+            while True:
+                beam[j, tree.depth - 1] = tree.beam_pos.cpu().numpy()
+                ent = _step_entropy(step)
+                if ent is not None:
+                    entropy[j, tree.depth - 1, :ent.numel()] = ent.float().cpu().numpy()
+                else:
+                    has_entropy = False
+                if tree.depth >= s.max_depth:
+                    break
+                step = tree.step()
+            tokens[j] = tree.candidate_tokens().cpu().numpy()
+            scores[j] = tree.candidate_scores().float().cpu().numpy()
+            tree.discard()
+        widths[w] = WidthTrace(w, s.max_depth, tokens, scores, beam, entropy if has_entropy else None)
+    np_dtype = FEATURE_DTYPES[s.feature_dtype]
+    features = None
+    if np_dtype is not None:
+        features = feats[0, n - 1:n - 1 + end].float().cpu().numpy().astype(np_dtype)
+    fps = dict(fingerprints or {})
+    fps.setdefault("model", model_fingerprint(target))
+    fps.setdefault("head", head_fingerprint(head))
+    fps["settings"] = s.fingerprint()
+    return PromptTrace(key=key, prompt=np.asarray(prompt, np.int32), output=np.asarray(out, np.int32), end=end,
+                       stop_reason=stop, max_len=eng.max_len, settings=s, widths=widths, features=features,
+                       fingerprints=fps, info={"full_forward_mismatches": mismatches, "total_len": total})
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------------
+
+
+def save_trace(trace: PromptTrace, path: str | os.PathLike) -> None:
+    """Write one prompt's trace as safetensors (atomically: a temporary file renamed into place)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"prompt": trace.prompt.astype(np.int32), "output": trace.output.astype(np.int32)}
+    if trace.features is not None:
+        tensors["features"] = np.ascontiguousarray(trace.features)
+    for w, wt in trace.widths.items():
+        tensors[f"w{w}.tokens"] = np.ascontiguousarray(wt.tokens.astype(np.int32))
+        tensors[f"w{w}.scores"] = np.ascontiguousarray(wt.scores.astype(np.float32))
+        tensors[f"w{w}.beam"] = np.ascontiguousarray(wt.beam.astype(np.int16))
+        if wt.entropy is not None:
+            tensors[f"w{w}.entropy"] = np.ascontiguousarray(wt.entropy.astype(np.float32))
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(trace.header(), sort_keys=True)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+    if META_KEY not in meta:
+        raise ValueError(f"{path} is not an adaptree trace (no {META_KEY!r} header)")
+    header = json.loads(meta[META_KEY])
+    if header.get("version") != TRACE_VERSION:
+        raise ValueError(f"{path}: trace format version {header.get('version')!r}, this adaptree reads {TRACE_VERSION}")
+    return header
+
+
+def check_fingerprints(found: dict[str, str], expect: dict[str, str] | None, where: str) -> None:
+    """Raise a ValueError naming what differs when ``found`` does not match ``expect`` (keys in ``expect``)."""
+    if not expect:
+        return
+    what = {"model": "target model", "head": "draft head", "settings": "trace settings"}
+    for k, v in expect.items():
+        if v is not None and found.get(k) != v:
+            raise ValueError(f"{where} was recorded with a different {what.get(k, k)} "
+                             f"(sha256 {str(found.get(k))[:12]}..., expected {v[:12]}...); "
+                             f"record traces for this {what.get(k, k)} into another folder")
+
+
+def load_trace(path: str | os.PathLike, expect: dict[str, str] | None = None) -> PromptTrace:
+    """Read a trace written by :func:`save_trace`; ``expect`` (``model``/``head``/``settings`` digests)
+    refuses a trace recorded with anything else."""
+    from safetensors.numpy import load_file
+
+    header = read_header(path)
+    check_fingerprints(header["fingerprints"], expect, f"trace {path}")
+    arrays = load_file(str(path))
+    s = TraceSettings.from_dict(header["settings"])
+    widths = {w: WidthTrace(w, s.max_depth, arrays[f"w{w}.tokens"], arrays[f"w{w}.scores"], arrays[f"w{w}.beam"],
+                            arrays.get(f"w{w}.entropy")) for w in s.widths}
+    return PromptTrace(key=header["key"], prompt=arrays["prompt"], output=arrays["output"], end=header["end"],
+                       stop_reason=header["stop_reason"], max_len=header["max_len"], settings=s, widths=widths,
+                       features=arrays.get("features"), fingerprints=header["fingerprints"], info=header.get("info", {}))
+
+
+def _safe_name(key: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "prompt"
+    return name[:80] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+class TraceStore:
+    """A folder of traces: ``manifest.json`` (fingerprints + settings) and one file per prompt.
+
+    Opening a folder recorded with another model, head or settings raises ``ValueError``; recording
+    skips the prompts already there (resume) and re-records a prompt whose stored ids differ.
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprints: dict[str, str] | None = None,
+                 settings: TraceSettings | None = None) -> None:
+        self.folder = Path(folder)
+        self.manifest_path = self.folder / "manifest.json"
+        manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else None
+        if manifest is None:
+            if fingerprints is None or settings is None:
+                raise FileNotFoundError(f"no trace manifest in {self.folder}")
+            fps = {**fingerprints, "settings": settings.fingerprint()}
+            self.folder.mkdir(parents=True, exist_ok=True)
+            manifest = {"version": TRACE_VERSION, "fingerprints": fps, "settings": settings.to_dict()}
+            tmp = self.manifest_path.with_name("manifest.json.tmp")
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.manifest_path)
+        else:
+            if manifest.get("version") != TRACE_VERSION:
+                raise ValueError(f"{self.manifest_path}: trace format version {manifest.get('version')!r}, "
+                                 f"this adaptree reads {TRACE_VERSION}")
+            expect = dict(fingerprints or {})
+            if settings is not None:
+                expect["settings"] = settings.fingerprint()
+                if manifest["fingerprints"].get("settings") != expect["settings"]:
+                    old = TraceSettings.from_dict(manifest["settings"]).to_dict()
+                    diff = {k: (old[k], v) for k, v in settings.to_dict().items() if old.get(k) != v}
+                    raise ValueError(f"trace folder {self.folder} was recorded with other settings "
+                                     f"(recorded vs requested: {diff}); use another folder")
+            check_fingerprints(manifest["fingerprints"], expect, f"trace folder {self.folder}")
+        self.fingerprints: dict[str, str] = manifest["fingerprints"]
+        self.settings = TraceSettings.from_dict(manifest["settings"])
+
+    def path(self, key: str) -> Path:
+        return self.folder / (_safe_name(key) + ".safetensors")
+
+    def has(self, key: str, prompt_ids: Sequence[int] | None = None) -> bool:
+        p = self.path(key)
+        if not p.exists():
+            return False
+        try:
+            header = read_header(p)
+        except Exception:  # a torn or foreign file: record again
+            return False
+        check_fingerprints(header["fingerprints"], self.fingerprints, f"trace {p}")
+        if prompt_ids is not None:
+            from safetensors import safe_open
+            with safe_open(str(p), "np") as f:
+                stored = f.get_tensor("prompt")
+            if stored.tolist() != [int(t) for t in prompt_ids]:
+                return False
+        return True
+
+    def put(self, trace: PromptTrace) -> Path:
+        check_fingerprints(trace.fingerprints, self.fingerprints, f"trace {trace.key!r}")
+        p = self.path(trace.key)
+        save_trace(trace, p)
+        return p
+
+    def keys_on_disk(self) -> list[Path]:
+        return sorted(self.folder.glob("*.safetensors"))
+
+    def load_all(self) -> list[PromptTrace]:
+        return [load_trace(p, self.fingerprints) for p in self.keys_on_disk()]
+
+    def record(self, target, head, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True) -> dict:
+        """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped)."""
+        from tqdm import tqdm
+
+        fps = {"model": self.fingerprints["model"], "head": self.fingerprints["head"]}
+        done = skipped = 0
+        bar = tqdm(prompts, desc="traces", unit="prompt", disable=not progress)
+        for key, ids in bar:
+            if self.has(key, ids):
+                skipped += 1
+                continue
+            trace = record_trace(target, head, ids, settings=self.settings, key=key, fingerprints=fps)
+            self.put(trace)
+            done += 1
+            bar.set_postfix(recorded=done, skipped=skipped)
+        return {"recorded": done, "skipped": skipped}
+
+
+def open_store_for(folder: str | os.PathLike, target, head, settings: TraceSettings) -> TraceStore:
+    """A store for recording ``target`` + ``head`` with ``settings`` (fingerprints computed here)."""
+    return TraceStore(folder, {"model": model_fingerprint(target), "head": head_fingerprint(head)}, settings)

@@ -1,0 +1,399 @@
+"""Greedy traces and the replay simulator on tiny random models: replay equals the live engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from adaptree.controllers import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
+from adaptree.engine import Engine
+from adaptree.rl.latency import LatencyModel, calibrate
+from adaptree.rl.simulator import ReplayTree, simulate
+from adaptree.rl.traces import (PromptTrace, TraceSettings, TraceStore, acceptance_table, accepted_length,
+                                head_fingerprint, load_trace, match_mask, model_fingerprint, num_candidates,
+                                open_store_for, record_trace, save_trace)
+
+from conftest import tiny_head, tiny_target
+
+PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
+N_NEW = 30
+SETTINGS = TraceSettings(widths=(3, 8, 10), max_depth=12, max_new_tokens=N_NEW, feature_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def models():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = tiny_target()
+    head = tiny_head(target, draft_vocab=12)
+    yield target, head
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, head = models
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = [record_trace(target, head, p, settings=SETTINGS, key=f"p{i}") for i, p in enumerate(PROMPTS)]
+    torch.set_num_threads(before)
+    return out
+
+
+def cycle_tuples(cycles):
+    return [(c.cycle, c.context_len, c.width, c.depth, c.size, c.candidates, c.accepted, c.emitted) for c in cycles]
+
+
+def assert_replays_live(models, traces, make, eos=(), max_new_tokens=N_NEW, max_seq_len=None):
+    target, head = models
+    eng = Engine(target, head, eos_token_ids=eos, max_seq_len=max_seq_len)
+    for prompt, tr in zip(PROMPTS, traces):
+        live = eng.generate(prompt, make(), max_new_tokens=max_new_tokens)
+        sim = simulate(make(), tr, max_new_tokens=max_new_tokens).runs[0]
+        assert cycle_tuples(sim.cycles) == cycle_tuples(live.cycles), f"prompt {tr.key}"
+        assert sim.token_ids == live.token_ids and sim.stop_reason == live.stop_reason
+        assert sim.tau == live.tau
+
+
+# ---------------------------------------------------------------- controllers for the replay tests
+
+
+class ThresholdStop(Controller):
+    """Data-dependent early stop and size: stop when the best beam node leads the second by less than
+    ``margin * depth`` or its log-prob falls below ``stop_below * depth``; verify the candidates
+    scoring above ``keep_above * depth``. (The tiny head is nearly uniform over its 12 draft tokens,
+    about -2.27 per level with margins of 0.01-0.1: the decisions hinge on small score differences.)"""
+
+    name = "threshold"
+
+    def __init__(self, width=8, margin=0.012, stop_below=-2.3, keep_above=-2.4, cap=50):
+        self.plan = TreePlan(width, 12, cap)
+        self.margin, self.stop_below, self.keep_above = margin, stop_below, keep_above
+
+    def begin_cycle(self, ctx):
+        return self.plan
+
+    def continue_drafting(self, step):
+        assert step.child_scores.shape == ((1 if step.depth == 1 else step.width), step.width)
+        assert torch.equal(step.tree.candidate_scores()[-step.child_scores.numel():], step.child_scores.reshape(-1))
+        best, second = float(step.beam_scores[0]), float(step.beam_scores[1])
+        return best - second >= self.margin * step.depth and best >= self.stop_below * step.depth
+
+    def choose_size(self, tree, plan):
+        return min(plan.size, int((tree.candidate_scores() > self.keep_above * tree.depth).sum()))
+
+
+class AdaptiveDepth(Controller):
+    """State carried across cycles through end_cycle: deeper after a full acceptance, shallower after
+    a miss; the width alternates with the parity of the last accepted length; uses the features too."""
+
+    name = "adaptive"
+
+    def reset(self):
+        self.depth, self.width = 4, 8
+
+    def begin_cycle(self, ctx):
+        assert ctx.features is not None and ctx.features.shape == (96,)
+        w = self.width if float(ctx.features[:8].sum()) > 0 else 3
+        return TreePlan(w, self.depth, 6 * self.depth)
+
+    def end_cycle(self, record):
+        if record.accepted >= record.depth - 1:
+            self.depth = min(12, self.depth + 1)
+        else:
+            self.depth = max(1, self.depth - 1)
+        self.width = 3 if record.accepted % 2 else 10
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("wdv", [(8, 8, 60), (3, 5, 10), (10, 12, 500), (3, 1, 1), (8, 4, 30), (10, 8, 60)])
+def test_static_replay_equals_live(models, traces, wdv):
+    assert_replays_live(models, traces, lambda: StaticController(StaticConfig(*wdv)))
+
+
+def test_early_stop_and_data_dependent_size_replay_equals_live(models, traces):
+    for args in [(8, 0.012, -2.3, -2.4, 50), (3, 0.02, -2.5, -2.35, 20), (10, 0.008, -2.27, -2.5, 200)]:
+        assert_replays_live(models, traces, lambda: ThresholdStop(*args))
+    # the stop rule stopped at several depths, V varied
+    sim = simulate(ThresholdStop(), traces)
+    depths = {c.depth for r in sim.runs for c in r.cycles}
+    assert len(depths) > 2 and min(depths) < 12
+    assert len({c.size for r in sim.runs for c in r.cycles}) > 2
+
+
+def test_end_cycle_state_replay_equals_live(models, traces):
+    assert_replays_live(models, traces, AdaptiveDepth)
+    sim = simulate(AdaptiveDepth(), traces)
+    assert len({c.depth for r in sim.runs for c in r.cycles}) > 2
+    assert len({c.width for r in sim.runs for c in r.cycles}) == 3
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("static",)])
+def test_every_registered_method_replays_live(models, traces, method):
+    assert_replays_live(models, traces, lambda: make_controller(method))
+
+
+def test_eos_and_token_limit_replay(models):
+    target, head = models
+    ar = Engine(target, head).generate(PROMPTS[0], None, max_new_tokens=N_NEW).token_ids
+    eos = (ar[7],)
+    s = TraceSettings(widths=(8,), max_depth=8, max_new_tokens=N_NEW, eos_token_ids=eos)
+    trs = [record_trace(target, head, p, settings=s) for p in PROMPTS]
+    assert trs[0].stop_reason == "eos" and trs[0].end == ar.index(eos[0]) + 1
+    assert len(trs[0].output) >= trs[0].end + s.max_depth  # the look-ahead past EOS
+    assert_replays_live(models, trs, lambda: StaticController(StaticConfig(8, 8, 60)), eos=eos)
+    # a smaller token limit than recorded
+    assert_replays_live(models, trs, lambda: StaticController(StaticConfig(8, 6, 40)), eos=eos, max_new_tokens=11)
+
+
+def test_context_limit_replay(models):
+    target, head = models
+    s = TraceSettings(widths=(8,), max_depth=8, max_new_tokens=100, max_seq_len=28)
+    trs = [record_trace(target, head, p, settings=s) for p in PROMPTS]
+    assert {t.stop_reason for t in trs} == {"context_limit"}
+    assert_replays_live(models, trs, lambda: StaticController(StaticConfig(8, 8, 60)), max_new_tokens=100,
+                        max_seq_len=28)
+
+
+def test_replay_tree_equals_live_tree(models, traces):
+    """Every tree a live static run drafts has the recorded tokens, parents, depths and beams, and
+    scores equal to the last float bits (chunked vs single-prefill head cache, tree-verify vs full
+    forward features)."""
+    target, head = models
+    eng = Engine(target, head)
+    seen = []
+
+    class Capture(StaticController):
+        def continue_drafting(self, step):
+            seen[-1][1].append((step.beam_tokens.clone(), step.beam_scores.clone()))
+            return True
+
+        def begin_cycle(self, ctx):
+            seen.append((ctx.context_len, []))
+            return self.plan
+
+        def choose_size(self, tree, plan):
+            seen[-1][1].append(tuple(x.clone() for x in (tree.candidate_tokens(), tree.candidate_scores(),
+                                                         tree.candidate_parents(), tree.candidate_depths())))
+            return plan.size
+
+    worst = 0.0
+    for prompt, tr in zip(PROMPTS, traces):
+        seen.clear()
+        eng.generate(prompt, Capture(StaticConfig(8, 12, 60)), max_new_tokens=N_NEW)
+        for L, steps in seen:
+            j = L - len(prompt)
+            rt = ReplayTree(tr.width(8), j, int(tr.output[j]), L)
+            rsteps = [rt.first_step()] + [rt.step() for _ in range(11)]
+            for (bt, bs), rs in zip(steps[:-1], rsteps):
+                assert torch.equal(bt, rs.beam_tokens)
+                worst = max(worst, float((bs - rs.beam_scores).abs().max()))
+            tok, sc, par, dep = steps[-1]
+            assert torch.equal(tok, rt.candidate_tokens())
+            assert torch.equal(par, rt.candidate_parents())
+            assert torch.equal(dep, rt.candidate_depths())
+            worst = max(worst, float((sc - rt.candidate_scores()).abs().max()))
+            vt_live_sel = torch.sort(sc, descending=True, stable=True).indices[:60].sort().values
+            vt = rt.select(60)
+            assert torch.equal(vt.tokens[1:], tok[vt_live_sel])
+    assert worst < 1e-4
+
+
+def test_features_recorded(models, traces):
+    target, head = models
+    seen = []
+
+    class Capture(StaticController):
+        def begin_cycle(self, ctx):
+            seen.append((ctx.context_len, ctx.features.clone()))
+            return self.plan
+
+    Engine(target, head).generate(PROMPTS[3], Capture(), max_new_tokens=N_NEW)
+    tr = traces[3]
+    for L, f in seen:
+        assert torch.allclose(torch.from_numpy(tr.features[L - len(PROMPTS[3])]), f, atol=1e-5)
+    f16 = record_trace(target, head, PROMPTS[3], settings=TraceSettings(widths=(3,), max_depth=2,
+                                                                          max_new_tokens=N_NEW))
+    assert f16.features.dtype == np.float16
+    assert np.allclose(f16.features.astype(np.float32), tr.features, atol=1e-2, rtol=1e-2)
+    assert record_trace(target, head, [1], settings=TraceSettings(widths=(3,), max_depth=2, max_new_tokens=4,
+                                                                  feature_dtype="none")).features is None
+
+
+def brute_accepted(trace: PromptTrace, width: int, j: int, depth: int, v: int) -> int:
+    """The verified tree's nodes walked one by one; a node is accepted when its whole path equals the output."""
+    rt = ReplayTree(trace.width(width), j, int(trace.output[j]), trace.prompt_len + j)
+    rt.first_step()
+    while rt.depth < depth:
+        rt.step()
+    vt = rt.select(v)
+    best = 0
+    toks, par = vt.tokens.tolist(), vt.parents.tolist()
+    for node in range(1, len(toks)):
+        path, k = [], node
+        while k > 0:
+            path.append(toks[k])
+            k = par[k]
+        path.reverse()
+        if path == trace.output[j + 1:j + 1 + len(path)].tolist():
+            best = max(best, len(path))
+    return best
+
+
+def test_accepted_length_vs_brute_force(traces):
+    rng = np.random.default_rng(0)
+    for tr in traces:
+        for w in (3, 8):
+            wt = tr.width(w)
+            tables = {d: acceptance_table(wt, tr.output, d) for d in (1, 2, 5, 12)}
+            for _ in range(12):
+                j = int(rng.integers(0, tr.end))
+                d = int(rng.choice([1, 2, 5, 12]))
+                c = num_candidates(w, d)
+                for v in {0, 1, 2, int(rng.integers(1, c + 1)), c, c + 5}:
+                    want = brute_accepted(tr, w, j, d, v)
+                    assert accepted_length(wt, tr.output, j, d, v) == want
+                    assert tables[d][j, min(v, c)] == want
+    # sanity: acceptance happens on these models
+    assert max(acceptance_table(tr.width(8), tr.output, 12)[:, -1].max() for tr in traces) >= 2
+
+
+def test_match_mask_levels(traces):
+    tr = traces[2]
+    wt = tr.width(3)
+    m = match_mask(wt, tr.output)
+    par = wt.parents()
+    depth = wt.depths()
+    for j in range(tr.end):
+        for c in np.nonzero(m[j])[0]:
+            assert wt.tokens[j, c] == tr.output[j + depth[c]]
+            assert par[j, c] < 0 or m[j, par[j, c]]
+        assert m[j, depth == 1].sum() <= 1  # siblings carry distinct tokens
+
+
+def test_save_load_round_trip(tmp_path, traces):
+    tr = traces[1]
+    path = tmp_path / "t.safetensors"
+    save_trace(tr, path)
+    back = load_trace(path, expect={"model": tr.fingerprints["model"], "head": tr.fingerprints["head"]})
+    assert back.key == tr.key and back.end == tr.end and back.stop_reason == tr.stop_reason
+    assert back.settings == tr.settings and back.fingerprints == tr.fingerprints and back.max_len == tr.max_len
+    for name in ("prompt", "output", "features"):
+        assert np.array_equal(getattr(back, name), getattr(tr, name))
+    for w, wt in tr.widths.items():
+        for name in ("tokens", "scores", "beam"):
+            assert np.array_equal(getattr(back.widths[w], name), getattr(wt, name))
+        assert (wt.entropy is None) == (back.widths[w].entropy is None)
+    ctl = lambda: StaticController(StaticConfig(8, 8, 60))  # noqa: E731
+    assert cycle_tuples(simulate(ctl(), back).runs[0].cycles) == cycle_tuples(simulate(ctl(), tr).runs[0].cycles)
+    with open(path, "rb") as f:  # safetensors: an 8-byte header length, then a JSON header; no pickle
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    assert "adaptree_trace" in header["__metadata__"]
+
+
+def test_trace_from_another_head_or_model_is_refused(tmp_path, models, traces):
+    target, head = models
+    other_head = tiny_head(target, draft_vocab=12, seed=7)
+    other_target = tiny_target(seed=5)
+    assert head_fingerprint(other_head) != head_fingerprint(head)
+    assert model_fingerprint(other_target) != model_fingerprint(target)
+    path = tmp_path / "t.safetensors"
+    save_trace(traces[0], path)
+    with pytest.raises(ValueError, match="different draft head"):
+        load_trace(path, expect={"head": head_fingerprint(other_head)})
+    with pytest.raises(ValueError, match="different target model"):
+        load_trace(path, expect={"model": model_fingerprint(other_target)})
+    s = TraceSettings(widths=(3,), max_depth=2, max_new_tokens=5)
+    open_store_for(tmp_path / "store", target, head, s)
+    with pytest.raises(ValueError, match="different draft head"):
+        open_store_for(tmp_path / "store", target, other_head, s)
+    with pytest.raises(ValueError, match="other settings"):
+        open_store_for(tmp_path / "store", target, head, TraceSettings(widths=(3,), max_depth=3, max_new_tokens=5))
+    mixed = [traces[0], record_trace(target, other_head, [1, 2], settings=s)]
+    with pytest.raises(ValueError, match="another model or head"):
+        simulate(StaticController(), mixed)
+
+
+def test_store_resume(tmp_path, models):
+    target, head = models
+    s = TraceSettings(widths=(3, 8), max_depth=4, max_new_tokens=12)
+    store = open_store_for(tmp_path, target, head, s)
+    items = [(f"ds/{i}", p) for i, p in enumerate(PROMPTS)]
+    assert store.record(target, head, items[:2], progress=False) == {"recorded": 2, "skipped": 0}
+    mtimes = {p: os.stat(p).st_mtime_ns for p in store.keys_on_disk()}
+    store = open_store_for(tmp_path, target, head, s)  # a new session over the same folder
+    assert store.record(target, head, items, progress=False) == {"recorded": 2, "skipped": 2}
+    assert all(os.stat(p).st_mtime_ns == t for p, t in mtimes.items())
+    # a prompt whose ids changed under the same key is recorded again
+    assert store.record(target, head, [("ds/0", [9, 9])], progress=False)["recorded"] == 1
+    loaded = TraceStore(tmp_path).load_all()
+    assert len(loaded) == 4 and {t.key for t in loaded} == {k for k, _ in items}
+    assert not list(tmp_path.glob("*.tmp"))
+    res = simulate(StaticController(StaticConfig(3, 4, 10)), loaded)
+    assert len(res.runs) == 4 and res.tau >= 1.0
+
+
+def test_width_and_depth_outside_the_trace_are_named(traces):
+    with pytest.raises(ValueError, match="W=5 was not recorded"):
+        simulate(StaticController(StaticConfig(5, 4, 10)), traces[0])
+    shallow = TraceSettings(widths=(3,), max_depth=2, max_new_tokens=N_NEW)
+    tr = traces[0]
+    short = PromptTrace(tr.key, tr.prompt, tr.output, tr.end, tr.stop_reason, tr.max_len, shallow,
+                        {3: type(tr.width(3))(3, 2, tr.width(3).tokens[:, :12], tr.width(3).scores[:, :12],
+                                              tr.width(3).beam[:, :2])}, None, tr.fingerprints)
+    simulate(StaticController(StaticConfig(3, 2, 10)), short)
+    with pytest.raises(ValueError, match="max_depth=2"):
+        simulate(StaticController(StaticConfig(3, 3, 10)), short)
+
+
+def test_latency_model_fit_and_json(tmp_path, traces):
+    true = LatencyModel([1e-3, 2e-4, 1e-6, 3e-8], [5e-3, 1e-5, 2e-6, 1e-9], other_s=1e-4)
+    d = [(w, L, true.draft_step(w, L)) for w in (2, 4, 8, 16) for L in (10, 100, 500)]
+    v = [(s, L, true.verify_time(s, L)) for s in (0, 10, 60, 200) for L in (10, 100, 500)]
+    fit = LatencyModel.fit(d, v, other_s=1e-4)
+    assert np.allclose(fit.draft, true.draft, rtol=1e-6, atol=1e-12)
+    assert np.allclose(fit.verify, true.verify, rtol=1e-6, atol=1e-12)
+    fit.save(tmp_path / "lat.json")
+    back = LatencyModel.load(tmp_path / "lat.json")
+    assert back == fit
+    res = simulate(StaticController(StaticConfig(8, 8, 60)), traces, back, measure_policy=False)
+    cyc = [c for r in res.runs for c in r.cycles]
+    want = sum(back.cycle_time(c.width, c.depth, c.size, c.context_len) for c in cyc)
+    assert math.isclose(res.total_s, want, rel_tol=1e-9)
+    ar = sum(back.verify_time(0, r.prompt_len + i) + back.other_s for r in res.runs for i in range(len(r.token_ids) - 1))
+    assert math.isclose(res.ar_s, ar, rel_tol=1e-9) and res.speedup > 0
+    assert all(c.policy_s == 0.0 for c in cyc)
+    rec_fit = LatencyModel.fit_records(cyc)
+    assert np.allclose([rec_fit.draft_step(8, L) for L in (20, 40)], [back.draft_step(8, L) for L in (20, 40)],
+                       rtol=1e-6)
+
+
+def test_calibrate_runs_on_tiny_models(models):
+    target, head = models
+    lat = calibrate(target, head, widths=(2, 4, 8), sizes=(0, 8, 16), lengths=(8, 32), repeats=1)
+    assert len(lat.meta["draft_samples"]) == 6 and len(lat.meta["verify_samples"]) == 6
+    assert lat.verify_time(8, 32) > 0 and lat.draft_step(4, 32) > 0
+
+
+def test_simulate_cli(tmp_path, models, capsys):
+    from adaptree.cli import main
+
+    target, head = models
+    store = open_store_for(tmp_path, target, head, TraceSettings(widths=(4,), max_depth=5, max_new_tokens=15))
+    store.record(target, head, [("q/0", PROMPTS[0]), ("q/1", PROMPTS[3])], progress=False)
+    LatencyModel([1e-3, 1e-4, 0, 0], [5e-3, 1e-5, 0, 0]).save(tmp_path / "lat.json")
+    assert main(["simulate", "--traces", str(tmp_path), "--method", "static", "-W", "4", "-D", "5", "-V", "12",
+                 "--latency", str(tmp_path / "lat.json"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sim = simulate(StaticController(StaticConfig(4, 5, 12)), TraceStore(tmp_path).load_all())
+    assert out["tau"] == sim.tau and out["cycles"] == sim.cycles and out["prompts"] == 2
+    assert out["modelled_speedup"] > 0
+    assert main(["simulate", "--traces", str(tmp_path), "--method", "static", "-W", "9"]) == 2  # width not recorded
