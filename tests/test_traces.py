@@ -397,3 +397,46 @@ def test_simulate_cli(tmp_path, models, capsys):
     assert out["tau"] == sim.tau and out["cycles"] == sim.cycles and out["prompts"] == 2
     assert out["modelled_speedup"] > 0
     assert main(["simulate", "--traces", str(tmp_path), "--method", "static", "-W", "9"]) == 2  # width not recorded
+
+
+def test_traces_record_cli_resumes(tmp_path, models, monkeypatch, capsys):
+    import adaptree.cli as cli
+
+    target, head = models
+
+    class Tok:  # what the record command needs of a TokenizerBundle
+        chat_template = None
+        eos_token_ids = [15]
+
+        class tokenizer:
+            @staticmethod
+            def get_vocab():
+                return {str(i): i for i in range(16)}
+
+        @staticmethod
+        def encode(text, add_special_tokens=True):
+            return [ord(c) % 16 for c in text]
+
+    def fake_load_models(args):
+        assert args.dtype == "float32"  # the record command's default
+        return target, Tok(), head
+
+    monkeypatch.setattr(cli, "load_models", fake_load_models)
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(["abc", "hello", "xyz"])))
+    out = tmp_path / "traces"
+    argv = ["traces", "record", "--datasets", "", "--question-file", str(q), "--limit", "2", "--max-new-tokens", "8",
+            "--width", "3,4", "--max-depth", "3", "--out", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    assert "2 recorded, 0 already there" in capsys.readouterr().out
+    assert cli.main(argv[:7] + ["3"] + argv[8:]) == 0
+    assert "1 recorded, 2 already there" in capsys.readouterr().out
+    store = TraceStore(out)
+    assert store.settings.widths == (3, 4) and store.settings.eos_token_ids == (15,)
+    assert dict(store.settings.extra)["chat"] == "False"
+    loaded = store.load_all()
+    assert sorted(t.key for t in loaded) == ["q/0", "q/1", "q/2"]
+    assert [int(x) for x in next(t for t in loaded if t.key == "q/1").prompt] == Tok.encode("hello")
+    # another max depth into the same folder is refused, naming the difference
+    assert cli.main(argv[:-4] + ["4", "--out", str(out), "--quiet"]) == 2
+    assert "max_depth" in capsys.readouterr().err

@@ -332,12 +332,14 @@ def _step_entropy(step) -> torch.Tensor | None:
 @torch.inference_mode()
 def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
                  max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
-                 key: str = "prompt", fingerprints: dict[str, str] | None = None) -> PromptTrace:
+                 key: str = "prompt", fingerprints: dict[str, str] | None = None, engine=None) -> PromptTrace:
     """Record the trace of one prompt (see the module docstring).
 
     :param width: one beam width or several (a tree is recorded per width).
     :param settings: overrides ``max_new_tokens``, ``width``, ``max_depth`` and ``eos_token_ids``.
     :param fingerprints: precomputed ``model``/``head`` digests (hashing a large model once per prompt is waste).
+    :param engine: an :class:`~adaptree.engine.Engine` on ``target`` to reuse across prompts (its KV cache
+        is allocated once); its EOS set is replaced by the settings' for the run and restored after.
     """
     from ..engine import TREE_SLOTS, Engine
     from ..tree import DraftTree
@@ -349,14 +351,22 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     s = settings
     prompt = [int(t) for t in prompt_ids]
     n = len(prompt)
-    eng = Engine(target, None, eos_token_ids=s.eos_token_ids, max_seq_len=s.max_seq_len)
-    res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
-    out = list(res.token_ids)
-    end, stop = len(out), res.stop_reason
-    if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
-        eng.eos = frozenset()
-        more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
-        out += more.token_ids
+    eng = engine if engine is not None else Engine(target, None, max_seq_len=s.max_seq_len)
+    want_len = min(s.max_seq_len or target.max_seq_len, target.max_seq_len)
+    if eng.target is not target or eng.max_len != want_len:
+        raise ValueError(f"the engine given runs another target or context limit ({eng.max_len}, settings: {want_len})")
+    saved_eos = eng.eos
+    try:
+        eng.eos = frozenset(s.eos_token_ids)
+        res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
+        out = list(res.token_ids)
+        end, stop = len(out), res.stop_reason
+        if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
+            eng.eos = frozenset()
+            more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
+            out += more.token_ids
+    finally:
+        eng.eos = saved_eos
     seq = torch.tensor([prompt + out], dtype=torch.long, device=target.device)
     total = seq.shape[1]
 
@@ -402,15 +412,19 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
         widths[w] = WidthTrace(w, s.max_depth, tokens, scores, beam, entropy if has_entropy else None)
     np_dtype = FEATURE_DTYPES[s.feature_dtype]
     features = None
+    info = {"full_forward_mismatches": mismatches, "total_len": total}
     if np_dtype is not None:
-        features = feats[0, n - 1:n - 1 + end].float().cpu().numpy().astype(np_dtype)
+        f32 = feats[0, n - 1:n - 1 + end].float().cpu().numpy()
+        features = f32.astype(np_dtype)
+        if not np.isfinite(features).all() and np.isfinite(f32).all():  # float16 overflow: keep float32
+            features, info["features_float32_overflow"] = f32, True
     fps = dict(fingerprints or {})
     fps.setdefault("model", model_fingerprint(target))
     fps.setdefault("head", head_fingerprint(head))
     fps["settings"] = s.fingerprint()
     return PromptTrace(key=key, prompt=np.asarray(prompt, np.int32), output=np.asarray(out, np.int32), end=end,
                        stop_reason=stop, max_len=eng.max_len, settings=s, widths=widths, features=features,
-                       fingerprints=fps, info={"full_forward_mismatches": mismatches, "total_len": total})
+                       fingerprints=fps, info=info)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,14 +573,19 @@ class TraceStore:
         """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped)."""
         from tqdm import tqdm
 
+        from ..engine import Engine
+
         fps = {"model": self.fingerprints["model"], "head": self.fingerprints["head"]}
+        engine = None
         done = skipped = 0
         bar = tqdm(prompts, desc="traces", unit="prompt", disable=not progress)
         for key, ids in bar:
             if self.has(key, ids):
                 skipped += 1
                 continue
-            trace = record_trace(target, head, ids, settings=self.settings, key=key, fingerprints=fps)
+            if engine is None:
+                engine = Engine(target, None, max_seq_len=self.settings.max_seq_len)
+            trace = record_trace(target, head, ids, settings=self.settings, key=key, fingerprints=fps, engine=engine)
             self.put(trace)
             done += 1
             bar.set_postfix(recorded=done, skipped=skipped)
