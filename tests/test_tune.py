@@ -61,3 +61,20 @@ def test_search_runs_on_the_real_engine(tiny_pair, tmp_path):
     assert (choice["width"], choice["depth"], choice["size"]) in cfg.grid()
     rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert all(r["new_tokens"] == 8 for r in rows)
+
+
+def test_static_gs_reads_the_tuned_choice(tmp_path):
+    from adaptree.controllers import make_controller
+
+    path = tmp_path / "static_gs.json"
+    path.write_text(json.dumps({"width": 6, "depth": 3, "size": 16, "tokens_per_s": 10.0}))
+    ctl = make_controller("static-gs", tuned=str(path))
+    assert ctl.name == "static-gs" and (ctl.config.width, ctl.config.depth, ctl.config.size) == (6, 3, 16)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        make_controller("static-gs", tuned=str(tmp_path / "nope.json"))
+    path.write_text(json.dumps({"width": 6}))
+    with pytest.raises(ValueError, match="not a static_gs.json"):
+        make_controller("static-gs", tuned=str(path))
+    path.write_text(json.dumps({"width": 6, "depth": 0, "size": 16}))
+    with pytest.raises(ValueError, match="depth \\(D\\) must be in 1..64, got 0"):
+        make_controller("static-gs", tuned=str(path))

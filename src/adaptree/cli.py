@@ -37,16 +37,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
-    from .controllers import METHODS
-    from .controllers.static import StaticConfig
-
-    from .controllers import DDDConfig, DeagleConfig, GammatuneConfig, SVIPConfig
+    from .controllers import METHODS, DDDConfig, DeagleConfig, GammatuneConfig, StaticConfig, SVIPConfig
 
     d, dg, dd, sv, gt = StaticConfig(), DeagleConfig(), DDDConfig(), SVIPConfig(), GammatuneConfig()
     p.add_argument("--method", choices=METHODS, default=None,
-                   help="ar = autoregressive; static = EAGLE-3 static tree; deagle, ddd, svip = EAGLE-3 tree with "
-                        "a dynamic depth; gammatune = per-cycle depth from the acceptance rate (default: static with "
-                        "a draft head, else ar)")
+                   help="ar = autoregressive; static = EAGLE-3 static tree; static-gs = the tree tune-static chose; "
+                        "deagle, ddd, svip = EAGLE-3 tree with a dynamic depth; gammatune = per-cycle depth from the "
+                        "acceptance rate (default: static with a draft head, else ar)")
     p.add_argument("--width", "-W", type=int, default=None, help=f"beam width W, every tree method (default {d.width})")
     p.add_argument("--depth", "-D", type=int, default=None,
                    help=f"static: draft depth D (default {d.depth}); deagle/ddd/svip: maximum depth (default "
@@ -75,6 +72,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help=f"svip: gamma of the acceptance bound 1 - sqrt(gamma*H) (default {sv.entropy_factor})")
     p.add_argument("--svip-min-entropy", type=float, default=sv.min_entropy,
                    help=f"svip: stop once sqrt(gamma*H) of the best beam node exceeds this (default {sv.min_entropy})")
+    p.add_argument("--tuned", default=None,
+                   help="static-gs: the static_gs.json of `adaptree tune-static` (default: the one shipped with the "
+                        "model's head)")
     p.add_argument("--gammatune-rate", type=float, default=gt.rate,
                    help=f"gammatune: smoothing rate eta of the acceptance rate (default {gt.rate})")
 
@@ -105,8 +105,9 @@ def build_controller(args, head):
     if method == "ar":
         return make_controller("ar")
     # Flags only when given / present, so each method keeps its own defaults (depth: static 8, deagle 12, ...).
-    flags = {"width": "width", "depth": "depth", "size": "size"}
+    flags = {} if method == "static-gs" else {"width": "width", "depth": "depth", "size": "size"}
     flags.update({
+        "static-gs": {"tuned": "tuned"},
         "deagle": {"tau_s": "deagle_tau_s", "tau_rho": "deagle_tau_rho", "votes": "deagle_votes",
                    "min_votes": "deagle_min_votes", "expected_offset": "deagle_expected_offset"},
         "ddd": {"threshold": "ddd_threshold", "check_depths": "ddd_check_depths", "heuristic": "ddd_heuristic"},
@@ -343,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_head_parser(sub)
     add_tune_parser(sub)
-    __import__("adaptree.rl.cli", fromlist=["add_traces_parser"]).add_traces_parser(sub)  # traces, simulate
+    from .rl.cli import add_traces_parser
+
+    add_traces_parser(sub)
     return parser
 
 

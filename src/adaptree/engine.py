@@ -146,7 +146,9 @@ class Engine:
                 if v < 0:
                     raise ValueError(f"controller {ctl.name!r} chose a negative verification size V={v}")
                 rec.depth, rec.candidates = tree.depth, tree.num_candidates
-                if v > tree.num_candidates and not self._warned_clamp:
+                # A plan whose full-depth tree has fewer than V candidates is worth one warning; a controller
+                # that stopped drafting early gets fewer candidates by design (nothing to say).
+                if v > tree.num_candidates and tree.depth == plan.max_depth and not self._warned_clamp:
                     log.warning("V=%d exceeds the %d draft candidates (W=%d, depth %d); clamping V to the "
                                 "candidate count (said once)", v, tree.num_candidates, plan.width, tree.depth)
                     self._warned_clamp = True

@@ -5,17 +5,20 @@ from .ddd import DDDConfig, DDDController
 from .deagle import DeagleConfig, DeagleController
 from .gammatune import GammatuneConfig, GammatuneController
 from .static import AutoregressiveController, StaticConfig, StaticController
+from .static_gs import StaticGSConfig, StaticGSController
 from .svip import SVIPConfig, SVIPController
 
 __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController", "StaticConfig",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
-           "SVIPController", "GammatuneConfig", "GammatuneController", "make_controller", "METHODS",
+           "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
+           "make_controller", "METHODS",
            "CONFIGS"]
 
-METHODS = ("ar", "static", "deagle", "ddd", "svip", "gammatune")
+METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune")
 
 CONFIGS = {
     "static": (StaticConfig, StaticController),
+    "static-gs": (StaticGSConfig, StaticGSController),
     "deagle": (DeagleConfig, DeagleController),
     "ddd": (DDDConfig, DDDController),
     "svip": (SVIPConfig, SVIPController),
