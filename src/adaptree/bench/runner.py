@@ -232,10 +232,21 @@ def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, comman
     from .machine import machine_info
     from .report import summarize
 
-    summary = summarize(rows, cfg)
+    summary = _json_safe(summarize(rows, cfg))
     summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(), command=command)
     (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _json_safe(obj):
+    """NaN (an undefined statistic, e.g. a CI from one run) becomes null: summary.json stays strict JSON."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 def read_records(results: Path) -> dict[tuple, dict]:
