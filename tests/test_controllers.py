@@ -253,12 +253,15 @@ def test_cli_flags_reach_every_method(tmp_path):
 
     from adaptree.cli import build_controller, build_parser
 
+    from adaptree.rl.radar import RadarModelConfig, RadarPolicy
+
     tuned = tmp_path / "static_gs.json"
     tuned.write_text(json.dumps({"width": 5, "depth": 3, "size": 12}))
+    RadarPolicy(RadarModelConfig(width=4, max_depth=8, hidden=8)).save(tmp_path / "radar")
     p = build_parser()
     args = p.parse_args(["bench", "-W", "4", "--deagle-tau-s", "0.2", "--deagle-votes", "expected",
                          "--ddd-threshold", "-0.5", "--ddd-check-depths", "3,4", "--svip-min-entropy", "0.4",
-                         "--gammatune-rate", "0.5", "--tuned", str(tuned)])
+                         "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar")])
     built = {}
     for m in METHODS:  # as bench does: one args object, method set per arm
         args.method = m
@@ -270,6 +273,7 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert built["svip"].config.min_entropy == 0.4 and built["gammatune"].config.rate == 0.5
     assert built["gammatune"].config.depth == 8 and built["ar"].name == "ar"
     assert (built["static-gs"].config.width, built["static-gs"].config.size) == (5, 12)  # the tuned W, not -W
+    assert built["radar"].plan.width == 4 and built["radar"].plan.max_depth == 8
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--depth", "18", "--deagle-min-votes", "3"])
     assert build_controller(args, head=object()).config.depth == 18
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])

@@ -77,6 +77,13 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "model's head)")
     p.add_argument("--gammatune-rate", type=float, default=gt.rate,
                    help=f"gammatune: smoothing rate eta of the acceptance rate (default {gt.rate})")
+    p.add_argument("--radar-policy", default=None,
+                   help="radar: policy folder (config.json + model.safetensors) of `adaptree radar train` (default: "
+                        "the radar/ folder shipped next to the model's head)")
+    p.add_argument("--radar-threshold", type=float, default=None,
+                   help="radar: stop drafting iff P(stop) >= this (default 0.5 = argmax)")
+    p.add_argument("--radar-stochastic", action="store_true", default=None,
+                   help="radar: sample the stop/continue decision (the paper's code) instead of thresholding")
 
 
 def load_models(args):
@@ -113,8 +120,14 @@ def build_controller(args, head):
         "ddd": {"threshold": "ddd_threshold", "check_depths": "ddd_check_depths", "heuristic": "ddd_heuristic"},
         "svip": {"entropy_factor": "svip_entropy_factor", "min_entropy": "svip_min_entropy"},
         "gammatune": {"rate": "gammatune_rate"},
+        "radar": {"policy": "radar_policy", "threshold": "radar_threshold", "stochastic": "radar_stochastic"},
     }.get(method, {}))
     opts = {field: getattr(args, attr) for field, attr in flags.items() if getattr(args, attr, None) is not None}
+    if method == "radar" and "policy" not in opts:  # the policy shipped next to the head in use, if any
+        from .controllers.radar import default_policy_path
+
+        found = default_policy_path(getattr(args, "draft_path", None)) or default_policy_path()
+        opts["policy"] = str(found) if found else None
     if method == "deagle" and "votes" in opts:
         opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
         opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
@@ -347,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .rl.cli import add_traces_parser
 
     add_traces_parser(sub)
+    from .rl.radar_cli import add_radar_parser
+
+    add_radar_parser(sub)
     return parser
 
 

@@ -217,17 +217,34 @@ class DraftTree:
     def candidate_depths(self) -> torch.Tensor:
         return self._all()[3]
 
-    def select(self, v: int) -> VerifyTree:
+    def level_candidates(self, levels: int) -> int:
+        """Number of candidates in levels ``1..levels`` (they are stored first, level by level)."""
+        return sum(t.numel() for t in self._tokens[:max(0, int(levels))])
+
+    def top_candidates(self, v: int, levels: int | None = None) -> torch.Tensor:
+        """Ascending indices of the top-``v`` candidates by cumulative score, among the candidates of
+        levels ``1..levels`` (default: all levels); the rule of :meth:`select`."""
+        scores = self._all()[1]
+        if levels is not None:
+            scores = scores[:self.level_candidates(levels)]
+        v = max(0, min(int(v), scores.numel()))
+        return torch.sort(scores, descending=True, stable=True).indices[:v].sort().values
+
+    def select(self, v: int, levels: int | None = None) -> VerifyTree:
         """Keep the top-``v`` candidates by cumulative score (``v`` is clamped to the candidate count).
+        ``levels`` restricts the choice to levels ``1..levels`` (the tree drafting would have verified
+        had it stopped at that depth).
 
         The sort is stable and candidates are stored level by level, so on exact score ties a parent
         (earlier index) always outranks its child and the kept set is always a tree.
         """
+        return self.tree_of(self.top_candidates(v, levels))
+
+    def tree_of(self, sel: torch.Tensor) -> VerifyTree:
+        """The :class:`VerifyTree` of the candidates ``sel`` (ascending indices, closed under parents)."""
         tokens, scores, parents, depth = self._all()
-        v = max(0, min(int(v), scores.numel()))
         dev = scores.device
-        order = torch.sort(scores, descending=True, stable=True).indices[:v]
-        sel = order.sort().values
+        v = int(sel.numel())
         node_of = torch.full((scores.numel(),), -1, dtype=torch.long, device=dev)
         node_of[sel] = torch.arange(1, v + 1, device=dev)
         par_c = parents[sel]

@@ -4,6 +4,7 @@ from .base import Controller, CycleContext, TreePlan
 from .ddd import DDDConfig, DDDController
 from .deagle import DeagleConfig, DeagleController
 from .gammatune import GammatuneConfig, GammatuneController
+from .radar import RadarConfig, RadarController
 from .static import AutoregressiveController, StaticConfig, StaticController
 from .static_gs import StaticGSConfig, StaticGSController
 from .svip import SVIPConfig, SVIPController
@@ -11,10 +12,11 @@ from .svip import SVIPConfig, SVIPController
 __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController", "StaticConfig",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
+           "RadarConfig", "RadarController",
            "make_controller", "METHODS",
            "CONFIGS"]
 
-METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune")
+METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune", "radar")
 
 CONFIGS = {
     "static": (StaticConfig, StaticController),
@@ -23,6 +25,7 @@ CONFIGS = {
     "ddd": (DDDConfig, DDDController),
     "svip": (SVIPConfig, SVIPController),
     "gammatune": (GammatuneConfig, GammatuneController),
+    "radar": (RadarConfig, RadarController),
 }
 """Method name -> (config dataclass, controller class) for every configurable method."""
 

@@ -1,0 +1,165 @@
+"""RADAR's prediction model (SPEC.md §4): an LSTM over the per-step beam scores, then an MLP on
+``[lstm_out ; state]`` giving two logits, index 0 = STOP and 1 = CONTINUE.
+
+Input at draft step ``t`` (after ``t`` draft forwards, ``t = 1 .. D_max - 1``): the top-W cumulative
+log-probs of the beam (the paper's top-k confidence scores, descending), clamped below at
+``score_floor`` so that an (almost) impossible path stays a finite number. ``state`` = that same score
+vector plus, with ``step_feature``, the step index ``t / D_max`` (the paper feeds the scores to the LSTM;
+which extra inputs its MLP sees is not printed: our choice, documented in docs/radar.md). The LSTM
+state is reset at every cycle. Files: a folder with ``config.json`` (:class:`RadarModelConfig`, unknown
+fields refused) and ``model.safetensors`` (loaded strictly: a missing, unexpected or mis-shaped tensor
+is an error that names it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+STOP, CONTINUE = 0, 1
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+@dataclass
+class RadarModelConfig:
+    """Shape of the prediction model (paper: LSTM hidden 128, one layer)."""
+
+    width: int = 10
+    """W: beam scores per step (the tree's beam width; the controller refuses another W)."""
+    max_depth: int = 8
+    """D_max the model was trained for (most draft forwards per cycle); the controller's default depth."""
+    hidden: int = 128
+    """LSTM hidden size (paper: 128)."""
+    layers: int = 1
+    """LSTM layers (paper: 1)."""
+    mlp_hidden: int = 128
+    """Width of the MLP's hidden layer."""
+    dropout: float = 0.1
+    """Dropout in the MLP during training (paper: 0.1)."""
+    score_floor: float = -30.0
+    """Cumulative log-probs below this are clamped to it (finite inputs)."""
+    step_feature: bool = True
+    """Append t / D_max to the MLP's state input."""
+
+    def __post_init__(self) -> None:
+        for name in ("width", "max_depth", "hidden", "layers", "mlp_hidden"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2 (at least one stop/continue decision), got {self.max_depth}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.score_floor < 0.0:
+            raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RadarModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - {"kind", "version"})
+        if unknown:
+            raise ValueError(f"unknown RADAR model config fields {unknown}; known: {sorted(known)}")
+        if d.get("kind", "radar") != "radar":
+            raise ValueError(f"config kind {d.get('kind')!r} is not a RADAR policy")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class RadarPolicy(nn.Module):
+    """LSTM + MLP stop/continue predictor."""
+
+    def __init__(self, config: RadarModelConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = config or RadarModelConfig()
+        self.lstm = nn.LSTM(c.width, c.hidden, num_layers=c.layers, batch_first=True)
+        state = c.width + (1 if c.step_feature else 0)
+        self.mlp = nn.Sequential(nn.Linear(c.hidden + state, c.mlp_hidden), nn.ReLU(), nn.Dropout(c.dropout),
+                                 nn.Linear(c.mlp_hidden, 2))
+
+    def _inputs(self, scores: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = scores.float().clamp(min=self.config.score_floor)
+        x = torch.nan_to_num(x, nan=self.config.score_floor)
+        if self.config.step_feature:
+            state = torch.cat([x, (steps.float() / self.config.max_depth)[..., None].expand(*x.shape[:-1], 1)], -1)
+        else:
+            state = x
+        return x, state
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores [B, T, W]`` (steps 1..T of a cycle) -> logits ``[B, T, 2]`` (LSTM from a zero state)."""
+        b, t, _ = scores.shape
+        steps = torch.arange(1, t + 1, device=scores.device).expand(b, t)
+        x, state = self._inputs(scores, steps)
+        out, _ = self.lstm(x)
+        return self.mlp(torch.cat([out, state], dim=-1))
+
+    def step(self, scores: torch.Tensor, step: int, hc: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One decision: ``scores [W]`` at draft step ``step`` (1-based) and the LSTM state (None at the
+        start of a cycle) -> logits ``[2]`` and the new state. Same numbers as :meth:`forward` (one LSTM
+        cell by hand for a one-layer model: ~4x less call overhead than ``nn.LSTM`` on one position)."""
+        c = self.config
+        x = torch.nan_to_num(scores.float(), nan=c.score_floor).clamp(min=c.score_floor)
+        state = torch.cat([x, x.new_tensor([step / c.max_depth])]) if c.step_feature else x
+        if c.layers == 1:
+            if hc is None:
+                z = x.new_zeros(1, c.hidden)
+                hc = (z, z)
+            h, cell = torch.lstm_cell(x[None], hc, self.lstm.weight_ih_l0, self.lstm.weight_hh_l0,
+                                      self.lstm.bias_ih_l0, self.lstm.bias_hh_l0)
+            out, hc = h[0], (h, cell)
+        else:
+            o, hc = self.lstm(x[None, None], hc)
+            out = o[0, 0]
+        return self.mlp(torch.cat([out, state])), hc
+
+    # ---- files ------------------------------------------------------------------------------------
+
+    def save(self, folder: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Write ``config.json`` (config + ``extra`` under ``training``) and ``model.safetensors``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = {"kind": "radar", "version": 1, **asdict(self.config)}
+        if extra:
+            cfg["training"] = extra
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> "RadarPolicy":
+        """Load a folder written by :meth:`save`, strictly (see the module docstring)."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"RADAR policy file {str(p)!r} does not exist")
+        d = json.loads(cfg_path.read_text())
+        d.pop("training", None)
+        model = cls(RadarModelConfig.from_dict(d))
+        load_strict(model, load_file(str(w_path)), str(w_path))
+        return model.eval()
+
+
+def load_strict(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """``model.load_state_dict`` that names the first missing, unexpected or mis-shaped key."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected)")
+    for k, v in own.items():
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            raise ValueError(f"{where}: tensor {k!r} has shape {tuple(tensors[k].shape)}, the config needs "
+                             f"{tuple(v.shape)}")
+    model.load_state_dict(tensors, strict=True)

@@ -1,0 +1,445 @@
+"""RADAR on tiny random models: exact acceptance-length distributions, the dataset, the LSTM policy,
+REINFORCE, and the controller's losslessness."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from adaptree.controllers import make_controller
+from adaptree.controllers.radar import RadarConfig, RadarController
+from adaptree.engine import Engine
+from adaptree.rl.radar import RadarModelConfig, RadarPolicy
+from adaptree.rl.radar_data import (RadarDataSettings, RadarRecorder, RadarStore, acceptance_distribution,
+                                    load_record, sub_tree, union_of)
+from adaptree.rl.radar_train import (Episodes, RadarTrainConfig, cycle_times, evaluate_policy, reinforce_loss,
+                                     static_baselines, train_alpha, train_radar)
+from adaptree.tree import DraftTree
+from adaptree.verify import SamplingConfig, verify_sample
+
+from conftest import tiny_head, tiny_target
+
+PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
+
+
+@pytest.fixture
+def flat_pair():
+    """A flatter tiny target (vocab 8): acceptance probabilities far from 0 and 1 at many nodes."""
+    target = tiny_target(vocab=8, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.05)
+    return target, tiny_head(target, draft_vocab=6, seed=4)
+
+
+def draft(target, head, prompt, width, depth):
+    """A DraftTree of ``depth`` levels after ``prompt`` and a target cache holding the prompt."""
+    with torch.no_grad():
+        cache = target.new_cache(128)
+        out = target(torch.tensor([prompt]), cache=cache, features=True)
+        root = int(out.logits[0, -1].argmax())
+        tree = DraftTree(head, head.new_cache(256), width, root, len(prompt))
+        tree.first_step(out.features, torch.tensor([prompt[1:] + [root]]))
+        while tree.depth < depth:
+            tree.step()
+    return tree, cache
+
+
+def tree_logits(target, cache, vt):
+    with torch.no_grad():
+        L = cache.length
+        logits = target(vt.tokens[None], position_ids=vt.positions, cache=cache, tree_mask=vt.mask).logits[0]
+        cache.truncate(L)
+    return logits
+
+
+# ------------------------------------------------------------------ the exact distribution
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_p=0.9, top_k=5)])
+def test_distribution_equals_monte_carlo_of_verify_sample(flat_pair, cfg):
+    target, head = flat_pair
+    tree, cache = draft(target, head, [1, 2, 3], width=3, depth=4)
+    vt = tree.select(14)
+    logits = tree_logits(target, cache, vt)
+    exact = acceptance_distribution(vt, logits, cfg).numpy()
+    assert abs(exact.sum() - 1.0) < 1e-9 and exact[1:].sum() > 0.15  # something to accept
+    gen = torch.Generator().manual_seed(0)
+    n = 8000
+    counts = np.bincount([verify_sample(vt, logits, cfg, gen).accepted for _ in range(n)], minlength=exact.size)
+    keep = exact * n >= 5
+    assert counts[~keep].sum() <= 30  # nothing much where the exact mass is ~0
+    p = chisquare(counts[keep], exact[keep] * counts[keep].sum() / exact[keep].sum()).pvalue
+    assert p > 1e-3, (counts, exact * n)
+    # expected length by the tail-sum formula: sum over nodes of P(node accepted)
+    assert abs((exact * np.arange(exact.size)).sum() - counts @ np.arange(exact.size) / n) < 0.05
+
+
+def test_greedy_distribution_is_the_point_mass_of_verify(flat_pair):
+    from adaptree.verify import verify_greedy
+
+    target, head = flat_pair
+    for prompt in PROMPTS[:3]:
+        tree, cache = draft(target, head, [p % 8 for p in prompt], width=3, depth=5)
+        vt = tree.select(20)
+        logits = tree_logits(target, cache, vt)
+        dist = acceptance_distribution(vt, logits, SamplingConfig())
+        assert float(dist.max()) == 1.0 and int(dist.argmax()) == verify_greedy(vt, logits).accepted
+
+
+def test_stop_point_trees_are_sub_trees_of_one_union_forward(flat_pair):
+    """Each stop point's tree (top-V of levels 1..k+1) is an ancestor-closed subset of the union, and its
+    nodes' logits in the union forward equal those of a forward over that tree alone."""
+    target, head = flat_pair
+    not_in_full = 0
+    for prompt in ([1, 2, 3], [4, 0, 6, 1], [7]):
+        tree, cache = draft(target, head, prompt, width=3, depth=5)
+        v = 6
+        sels = [tree.top_candidates(v, levels=k + 1) for k in range(5)]
+        union, nodes = union_of(tree, sels)
+        ulog = tree_logits(target, cache, union)
+        full = set(tree.top_candidates(v).tolist())
+        for k, (sel, nd) in enumerate(zip(sels, nodes)):
+            own = tree.select(v, levels=k + 1)
+            sub = sub_tree(union, nd)
+            for name in ("tokens", "parents", "depth", "positions", "mask"):
+                assert torch.equal(getattr(sub, name), getattr(own, name)), (k, name)
+            torch.testing.assert_close(ulog[nd], tree_logits(target, cache, own), atol=1e-5, rtol=1e-5)
+            not_in_full += len(set(sel.tolist()) - full)
+        assert torch.equal(tree.select(v).tokens, tree.select(v, levels=5).tokens)
+    assert not_in_full >= 0  # the tiny heads are near-uniform: shallow nodes always outrank deep ones here
+
+
+def test_smaller_trees_need_not_be_sub_trees_of_the_full_depth_tree():
+    """Hand-built scores: a confident child of the best depth-1 node pushes the weaker depth-1 node out of
+    the top-V of all levels, while the depth-1 tree keeps it. Hence the union forward, not the full tree."""
+    tree = DraftTree.__new__(DraftTree)
+    tree.root, tree.context_len, tree._cat = 0, 5, None
+    tree._tokens = [torch.tensor([1, 2]), torch.tensor([3, 4, 5, 6])]
+    tree._scores = [torch.tensor([-0.1, -3.0]), torch.tensor([-0.2, -0.3, -4.0, -5.0])]
+    tree._parents = [torch.tensor([-1, -1]), torch.tensor([0, 0, 1, 1])]
+    tree._offset = 6
+    assert tree.top_candidates(2, levels=1).tolist() == [0, 1]
+    assert tree.top_candidates(2).tolist() == [0, 2]
+    union, nodes = union_of(tree, [tree.top_candidates(2, levels=1), tree.top_candidates(2)])
+    assert union.tokens.tolist() == [0, 1, 2, 3] and [n.tolist() for n in nodes] == [[0, 1, 2], [0, 1, 3]]
+    assert union.parents.tolist() == [-1, 0, 0, 1]
+
+
+# ------------------------------------------------------------------ the dataset
+
+
+SETTINGS = RadarDataSettings(width=3, max_depth=4, size=10, max_new_tokens=16)
+
+
+def test_recorder_leaves_the_trajectory_of_static_eagle3(flat_pair):
+    from adaptree.controllers import StaticConfig, StaticController
+
+    target, head = flat_pair
+    eng = Engine(target, head)
+    for t in (0.0, 1.0):
+        s = RadarDataSettings(width=3, max_depth=4, size=10, max_new_tokens=16, temperature=t)
+        samp = s.sampling("k")
+        rec = RadarRecorder(eng, s, samp)
+        a = eng.generate([1, 2, 3], rec, 16, samp)
+        b = eng.generate([1, 2, 3], StaticController(StaticConfig(3, 4, 10)), 16, samp)
+        assert a.token_ids == b.token_ids and [c.accepted for c in a.cycles] == [c.accepted for c in b.cycles]
+        assert len(rec.cycles) == len(a.cycles)
+        for c in rec.cycles:
+            assert c.scores.shape == (4, 3) and c.dist.shape == (4, 5)
+            np.testing.assert_allclose(c.dist.sum(1), 1.0, atol=1e-5)
+            for k in range(4):
+                assert np.all(c.dist[k, k + 2:] == 0)  # a depth-(k+1) tree accepts at most k+1
+            assert list(c.sizes) == [3, 10, 10, 10]
+            assert np.all(np.diff(c.scores, axis=0) <= 1e-6)  # cumulative log-probs only decrease
+            if t == 0.0:  # greedy: the full-depth point mass is where the engine's acceptance is
+                assert c.dist[3, c.accepted] == 1.0
+
+
+def test_dataset_round_trip_and_resume(flat_pair, tmp_path):
+    target, head = flat_pair
+    eng = Engine(target, head)
+    fps = {"model": "m" * 64, "head": "h" * 64}
+    store = RadarStore(tmp_path / "d", fps, SETTINGS)
+    prompts = [(f"p{i}", [x % 8 for x in p]) for i, p in enumerate(PROMPTS)]
+    assert store.record(eng, prompts[:2], progress=False)["recorded"] == 2
+    first = store.path("p0").stat().st_mtime_ns
+    again = RadarStore(tmp_path / "d", fps, SETTINGS)
+    counts = again.record(eng, prompts, progress=False)
+    assert (counts["recorded"], counts["skipped"]) == (2, 2)
+    assert store.path("p0").stat().st_mtime_ns == first
+    recs = {r.key: r for r in again.load_all()}
+    assert set(recs) == {"p0", "p1", "p2", "p3"}
+    r = load_record(store.path("p1"))
+    assert r.scores.shape == (r.cycles, 4, 3) and r.dist.shape == (r.cycles, 4, 5) and r.cycles > 0
+    assert r.header["fingerprints"] == fps and r.header["key"] == "p1"
+    # the same prompt recorded again gives the same file contents (seed derived from the key)
+    redo = RadarStore(tmp_path / "e", fps, SETTINGS)
+    redo.record(eng, prompts[1:2], progress=False)
+    np.testing.assert_array_equal(load_record(redo.path("p1")).dist, r.dist)
+    with pytest.raises(ValueError, match="max_depth"):
+        RadarStore(tmp_path / "d", fps, RadarDataSettings(width=3, max_depth=5, size=10, max_new_tokens=16))
+    with pytest.raises(ValueError, match="different head"):
+        RadarStore(tmp_path / "d", {**fps, "head": "x" * 64}, SETTINGS)
+    store.path("p2").write_bytes(b"torn")
+    assert not again.has("p2")
+
+
+# ------------------------------------------------------------------ the policy
+
+
+def test_lstm_shapes_step_equals_sequence_and_state_resets():
+    pol = RadarPolicy(RadarModelConfig(width=4, max_depth=6, hidden=16)).eval()
+    x = -torch.rand(5, 7, 4).cumsum(1)
+    out = pol(x)
+    assert out.shape == (5, 7, 2)
+    with torch.no_grad():
+        hc = None
+        for t in range(7):
+            logits, hc = pol.step(x[2, t], t + 1, hc)
+            torch.testing.assert_close(logits, out[2, t], atol=1e-5, rtol=1e-5)
+        assert hc[0].shape == (1, 16)
+    # the controller starts every cycle from a zero state: same scores, same decisions, every cycle
+    ctl = RadarController(RadarConfig(width=4, depth=6), policy=pol)
+    from types import SimpleNamespace
+
+    seen = []
+    for _ in range(3):
+        ctl.begin_cycle(None)
+        assert ctl.hc is None
+        seen.append([ctl.continue_drafting(SimpleNamespace(beam_scores=x[0, t], depth=t + 1)) or ctl.last_p_stop
+                     for t in range(3)])
+    assert seen[0] == seen[1] == seen[2]
+
+
+def test_config_validation_names_the_bad_value():
+    for call, match in [(lambda: RadarConfig(width=0), "width.*0"), (lambda: RadarConfig(threshold=0.0), "threshold"),
+                        (lambda: RadarConfig(depth=0), "depth.*0"), (lambda: RadarConfig(size=0), "size.*0"),
+                        (lambda: RadarModelConfig(hidden=0), "hidden.*0"),
+                        (lambda: RadarModelConfig(dropout=1.5), "dropout.*1.5"),
+                        (lambda: RadarDataSettings(max_depth=0), "max_depth.*0"),
+                        (lambda: RadarDataSettings(temperature=-1.0), "temperature.*-1"),
+                        (lambda: RadarTrainConfig(t_fixed=1, t_draft=1, gamma=1.5), "gamma.*1.5"),
+                        (lambda: RadarTrainConfig(t_fixed=1, t_draft=1, alphas="0.1,-2"), "alphas.*-2"),
+                        (lambda: RadarTrainConfig(t_fixed=1, t_draft=1, baseline="x"), "baseline.*'x'"),
+                        (lambda: RadarTrainConfig(), "latency model"),
+                        (lambda: make_controller("radar", wdith=3), "method 'radar'.*width")]:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_strict_loading_refuses_mismatched_files(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    pol = RadarPolicy(RadarModelConfig(width=3, max_depth=4, hidden=8))
+    pol.save(tmp_path / "ok")
+    loaded = RadarPolicy.load(tmp_path / "ok")
+    for k, v in pol.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        RadarPolicy.load(tmp_path / "missing")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    bad = tmp_path / "shape"
+    pol.save(bad)
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden": 16}))
+    with pytest.raises(ValueError, match="lstm.weight_ih_l0.*shape"):
+        RadarPolicy.load(bad)
+    extra = tmp_path / "extra"
+    pol.save(extra)
+    t = load_file(str(extra / "model.safetensors"))
+    save_file({**t, "surprise": torch.zeros(1)}, str(extra / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor 'surprise'"):
+        RadarPolicy.load(extra)
+    save_file({k: v for k, v in t.items() if k != "mlp.3.bias"}, str(extra / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'mlp.3.bias'"):
+        RadarPolicy.load(extra)
+    (bad / "config.json").write_text(json.dumps({**cfg, "hiden": 8}))
+    with pytest.raises(ValueError, match="hiden"):
+        RadarPolicy.load(bad)
+    with pytest.raises(ValueError, match="width.*10.*input width 3"):
+        RadarController(RadarConfig(policy=str(tmp_path / "ok")))
+    ctl = make_controller("radar", policy=str(tmp_path / "ok"), width=3, threshold=0.3)
+    assert ctl.plan.max_depth == 4 and ctl.plan.width == 3
+
+
+def test_cli_builds_radar_with_its_flags(tmp_path):
+    from adaptree.cli import build_controller, build_parser
+
+    RadarPolicy(RadarModelConfig(width=4, max_depth=5, hidden=8)).save(tmp_path / "pol")
+    args = build_parser().parse_args(["generate", "hi", "--method", "radar", "--radar-policy", str(tmp_path / "pol"),
+                                      "-W", "4", "--radar-threshold", "0.3", "--radar-stochastic", "-D", "3"])
+    ctl = build_controller(args, head=object())
+    assert (ctl.config.threshold, ctl.config.stochastic, ctl.plan.max_depth, ctl.plan.width) == (0.3, True, 3, 4)
+    # a radar/ folder next to the head in use is the default policy
+    RadarPolicy(RadarModelConfig(width=10, max_depth=6, hidden=8)).save(tmp_path / "head" / "radar")
+    args = build_parser().parse_args(["generate", "hi", "--method", "radar"])
+    args.draft_path = str(tmp_path / "head")
+    assert build_controller(args, head=object()).plan.max_depth == 6
+
+
+# ------------------------------------------------------------------ REINFORCE
+
+
+def synthetic_episodes(n=1200, d=5, w=3, seed=0):
+    """Half the cycles accept the whole tree whatever its depth (confident scores), half accept nothing
+    (hopeless scores): the optimal rule is 'continue to D_max' vs 'stop at once', known exactly."""
+    g = np.random.default_rng(seed)
+    good = g.random(n) < 0.5
+    per_step = np.where(good, -0.05, -3.0)[:, None, None]
+    scores = per_step * np.arange(1, d + 1)[None, :, None] + g.normal(0, 0.02, (n, d, w))
+    dist = np.zeros((n, d, d + 1))
+    for k in range(d):
+        dist[good, k, k + 1] = 1.0
+        dist[~good, k, 0] = 1.0
+    cfg = RadarTrainConfig(t_fixed=1.0, t_draft=0.2)
+    t = cycle_times(np.full((n, d), 10), np.zeros(n, int), w, cfg)
+    tokens = (dist * np.arange(d + 1)).sum(-1) + 1
+    return Episodes(torch.tensor(scores, dtype=torch.float32), torch.tensor(dist), torch.tensor(t),
+                    torch.tensor(tokens)), good
+
+
+def test_reinforce_learns_the_known_optimal_stop():
+    torch.manual_seed(0)
+    ep, good = synthetic_episodes()
+    oracle = static_baselines(ep)["oracle_per_cycle"]
+    pol = RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=32, dropout=0.0))
+    with torch.no_grad():  # start from (nearly) always-continue: EAGLE-3's static depth
+        pol.mlp[3].bias.copy_(torch.tensor([-3.0, 3.0]))
+    before = evaluate_policy(pol, ep)
+    assert before == static_baselines(ep)["depth_5"]
+    opt = torch.optim.Adam(pol.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(250):
+        loss, _ = reinforce_loss(pol, ep, torch.randint(0, len(ep), (128,), generator=gen), 0.0, 1.0, 0.99, "mean",
+                                 True, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = evaluate_policy(pol, ep)
+    assert after["throughput"] > before["throughput"]
+    assert after["throughput"] >= 0.99 * oracle["throughput"]
+    with torch.no_grad():
+        p_stop = torch.softmax(pol.eval()(ep.scores[:, :-1]), -1)[..., 0]
+    assert bool((p_stop[~torch.tensor(good), 0] > 0.5).all()) and bool((p_stop[torch.tensor(good)] < 0.5).all())
+
+
+def test_alpha_penalises_continuing():
+    """With a large per-CONTINUE penalty the learned policy drafts less than with none."""
+    torch.manual_seed(0)
+    ep, _ = synthetic_episodes(seed=1)
+    calls = {}
+    for alpha in (0.0, 0.5):
+        torch.manual_seed(0)
+        pol = RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=16, dropout=0.0))
+        opt = torch.optim.Adam(pol.parameters(), lr=3e-3)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(150):
+            loss, _ = reinforce_loss(pol, ep, torch.randint(0, len(ep), (128,), generator=gen), alpha, 1.0, 0.99,
+                                     "mean", True, gen)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        calls[alpha] = evaluate_policy(pol, ep)["calls"]
+    assert calls[0.5] < calls[0.0]
+
+
+def test_train_radar_end_to_end_checkpoint_resume(flat_pair, tmp_path, monkeypatch):
+    target, head = flat_pair
+    store = RadarStore(tmp_path / "d", {"model": "m", "head": "h"}, SETTINGS)
+    store.record(Engine(target, head), [(f"p{i}", [x % 8 for x in p]) for i, p in enumerate(PROMPTS)], progress=False)
+    base = dict(data=str(tmp_path / "d"), alphas=(0.0, 0.01), t_fixed=1.0, t_draft=0.1, t_policy=0.01, steps=20,
+                batch_size=16, hidden=8, eval_every=5, checkpoint_every=5, val_fraction=0.3)
+    s = train_radar(RadarTrainConfig(out=str(tmp_path / "a"), **base), progress=False)
+    assert s["chosen_alpha"] in (0.0, 0.01) and s["train_cycles"] > 0
+    pol = RadarPolicy.load(tmp_path / "a" / "policy")
+    assert pol.config.width == 3 and pol.config.max_depth == 4
+    log = (tmp_path / "a" / "alpha_0" / "log.csv").read_text().splitlines()
+    assert len(log) == 21 and log[0].startswith("step,")
+    with pytest.raises(ValueError, match="--resume"):
+        train_radar(RadarTrainConfig(out=str(tmp_path / "a"), **base), progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        train_radar(RadarTrainConfig(out=str(tmp_path / "a"), resume=True, **{**base, "lr": 1e-3}), progress=False)
+    # interrupted at update 13 (checkpoint at 10), resumed: the same weights as the uninterrupted run
+    import adaptree.rl.radar_train as rt
+
+    real, calls = rt.reinforce_loss, [0]
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 13:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(rt, "reinforce_loss", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        train_radar(RadarTrainConfig(out=str(tmp_path / "b"), **base), progress=False)
+    monkeypatch.setattr(rt, "reinforce_loss", real)
+    train_radar(RadarTrainConfig(out=str(tmp_path / "b"), resume=True, **base), progress=False)
+    a = RadarPolicy.load(tmp_path / "a" / "alpha_0" / "policy").state_dict()
+    b = RadarPolicy.load(tmp_path / "b" / "alpha_0" / "policy").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    assert len((tmp_path / "b" / "alpha_0" / "log.csv").read_text().splitlines()) == 21
+
+
+# ------------------------------------------------------------------ the controller is lossless
+
+
+def biased_policy(width, depth, seed):
+    """A random policy whose P(STOP) spreads around 0.5 on the tiny models' scores: varied depths."""
+    torch.manual_seed(seed)
+    pol = RadarPolicy(RadarModelConfig(width=width, max_depth=depth, hidden=8, dropout=0.0)).eval()
+    return pol
+
+
+@pytest.mark.parametrize("threshold, stochastic", [(0.5, False), (0.45, False), (0.5, True)])
+def test_greedy_output_equals_autoregressive(tiny_pair, threshold, stochastic):
+    target, head = tiny_pair
+    eng = Engine(target, head)
+    depths = set()
+    for seed in range(3):
+        ctl = RadarController(RadarConfig(width=4, size=20, threshold=threshold, stochastic=stochastic, seed=seed),
+                              policy=biased_policy(4, 6, seed))
+        for prompt in PROMPTS:
+            ar = eng.generate(prompt, None, max_new_tokens=30)
+            sp = eng.generate(prompt, ctl, max_new_tokens=30)
+            assert sp.token_ids == ar.token_ids and sp.method == "radar"
+            depths |= {c.depth for c in sp.cycles}
+    assert depths <= set(range(1, 7))
+    if stochastic:
+        assert len(depths) > 1
+
+
+def test_sampling_distribution_is_the_target_s():
+    from test_engine import pair_pvalue
+
+    target = tiny_target(vocab=8, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.05)
+    head = tiny_head(target, draft_vocab=6, seed=4)
+    ctl = RadarController(RadarConfig(width=3, size=8, stochastic=True), policy=biased_policy(3, 3, 0))
+    assert pair_pvalue(Engine(target, head), ctl, [1, 2, 3], SamplingConfig(temperature=1.0), n=1500, seed=2) > 1e-3
+
+
+def test_radar_replays_live_on_traces():
+    """The simulator replays the RADAR controller exactly like the live engine (tests/test_traces.py's check)."""
+    from adaptree.rl.simulator import simulate
+    from adaptree.rl.traces import TraceSettings, record_trace
+
+    target = tiny_target()
+    head = tiny_head(target, draft_vocab=12)
+    settings = TraceSettings(widths=(4,), max_depth=6, max_new_tokens=20, feature_dtype="float32")
+    eng = Engine(target, head)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        tr = record_trace(target, head, prompt, settings=settings, key=f"p{i}")
+
+        def make():
+            return RadarController(RadarConfig(width=4, size=20), policy=biased_policy(4, 6, 1))
+
+        live = eng.generate(prompt, make(), max_new_tokens=20)
+        sim = simulate(make(), tr, max_new_tokens=20).runs[0]
+        assert [(c.depth, c.size, c.accepted) for c in sim.cycles] == [(c.depth, c.size, c.accepted) for c in live.cycles]
+        assert sim.token_ids == live.token_ids
