@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.controllers import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
+from adaptree.controllers import LEARNED, METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
 from adaptree.engine import Engine
 from adaptree.rl.latency import LatencyModel, calibrate
 from adaptree.rl.simulator import ReplayTree, simulate
@@ -23,16 +23,6 @@ from conftest import tiny_head, tiny_target
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 N_NEW = 30
 SETTINGS = TraceSettings(widths=(3, 8, 10), max_depth=12, max_new_tokens=N_NEW, feature_dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def models():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    target = tiny_target()
-    head = tiny_head(target, draft_vocab=12)
-    yield target, head
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +125,9 @@ def test_end_cycle_state_replay_equals_live(models, traces):
     assert len({c.width for r in sim.runs for c in r.cycles}) == 3
 
 
-# static-gs = static + a file; radar needs a trained policy file (its replay test: tests/test_radar.py)
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("static", "static-gs", "radar")])
+# static-gs = static + a file; learned methods need trained policy files (their replay tests: test_radar.py,
+# test_ltd.py)
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("static", "static-gs") + LEARNED])
 def test_every_registered_method_replays_live(models, traces, method):
     assert_replays_live(models, traces, lambda: make_controller(method))
 

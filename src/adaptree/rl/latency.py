@@ -9,13 +9,19 @@ A cycle of depth d costs ``d`` draft steps, one verification and ``other_s``. Pa
 JSON (:meth:`LatencyModel.save` / :meth:`LatencyModel.load`). :func:`calibrate` micro-benchmarks the
 real pieces (the head's tree step and the target's tree forward on caches filled to L) and fits them;
 :meth:`LatencyModel.fit` takes any measured samples (e.g. from live cycle records).
+
+Times hold for the machine they were measured on: ``meta["machine"]`` records it (:func:`machine_meta`:
+CPU model, cores, torch threads, GPU) and :func:`check_machine` / :func:`load_checked` name the
+differences when a model is used elsewhere.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -122,6 +128,52 @@ class LatencyModel:
             return cls.from_dict(json.load(f))
 
 
+def machine_meta() -> dict:
+    """The machine timings are measured on: CPU model, cores, torch threads and version, platform, GPU."""
+    from ..bench.machine import cpu_model
+
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def check_machine(model: LatencyModel, current: dict | None = None) -> list[str]:
+    """Differences between the machine ``model`` was measured on and this one (``current``, default
+    :func:`machine_meta`), one message per differing item (CPU model, torch threads, GPU) naming both
+    values; a model that records no machine gets one message saying so. Empty: same machine."""
+    here = machine_meta() if current is None else current
+    meta = model.meta or {}
+    there = dict(meta.get("machine") or {})
+    if "torch_threads" not in there and "threads" in meta:  # calibrate() before meta["machine"] existed
+        there["torch_threads"] = meta["threads"]
+    if not there:
+        return ["the latency model records no machine (meta['machine']); its times may not hold on this one "
+                f"(CPU {here.get('cpu')!r}, {here.get('torch_threads')} torch threads): measure it here with "
+                "`adaptree calibrate`"]
+    out = []
+    for key, what in (("cpu", "CPU"), ("torch_threads", "torch threads"), ("gpu", "GPU")):
+        a, b = there.get(key), here.get(key)
+        if key == "gpu" and a is None and b is None:
+            continue
+        if a is None and key != "gpu":
+            continue  # not recorded: nothing to compare
+        if a != b:
+            out.append(f"the latency model was measured with {what} {a!r}, this machine has {what} {b!r}: its "
+                       f"modelled times may not hold here (recalibrate with `adaptree calibrate`)")
+    return out
+
+
+def load_checked(path: str | os.PathLike, quiet: bool = False) -> LatencyModel:
+    """:meth:`LatencyModel.load`, printing a warning to stderr for every :func:`check_machine` difference."""
+    model = LatencyModel.load(path)
+    if not quiet:
+        for msg in check_machine(model):
+            print(f"adaptree: warning: {path}: {msg}", file=sys.stderr)
+    return model
+
+
 def _time(fn, repeats: int, sync) -> float:
     fn()  # warm-up
     sync()
@@ -136,27 +188,41 @@ def _time(fn, repeats: int, sync) -> float:
 
 @torch.inference_mode()
 def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Sequence[int] = (0, 16, 32, 60, 120, 240),
-              lengths: Sequence[int] = (64, 256, 512, 1024), repeats: int = 5, tree_levels: int = 4) -> LatencyModel:
+              lengths: Sequence[int] = (64, 256, 512, 1024), repeats: int = 5, tree_levels: int = 4,
+              progress: bool = False) -> LatencyModel:
     """Micro-benchmark the engine's pieces on ``target``/``head`` and fit a :class:`LatencyModel`.
 
     Draft: a :class:`~adaptree.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
     the cache after L committed positions. Verify: a target forward over a random tree of V+1 nodes after
     L cached positions. Cache contents are zeros (values do not change the time). Lengths past the
     model's context limit are skipped. Takes minutes on a real model: not for a shared, busy machine.
+    ``other_s`` is left 0 (the per-cycle overhead needs live cycles: ``adaptree calibrate`` sets it).
+    ``meta`` records the machine (:func:`machine_meta`), dtype and the samples.
     """
+    from tqdm import tqdm
+
     from ..tree import ancestor_mask
+
+    for name, values, low in (("widths", widths, 1), ("sizes", sizes, 0), ("lengths", lengths, 1)):
+        if not values or any(int(x) < low for x in values):
+            raise ValueError(f"calibration {name} must be integers >= {low}, got {list(values)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
 
     dev = target.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     max_len = target.max_seq_len
-    lengths = [L for L in lengths if L + max(sizes) + 1 < max_len]
-    if not lengths:
-        raise ValueError(f"no calibration length fits the context limit {max_len}")
+    fitting = [L for L in lengths if L + max(sizes) + 1 < max_len]
+    if len(set(fitting)) < 2:
+        raise ValueError(f"calibration needs two context lengths L with L + max(sizes) + 1 < {max_len} (the context "
+                         f"limit); of lengths {list(lengths)} with sizes up to {max(sizes)}, {fitting} fit")
+    lengths = fitting
     gen = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     hidden = head.config.hidden_size
     draft_samples, verify_samples = [], []
     dcache = head.new_cache(max(lengths) + max(widths) * (tree_levels + 1) + 1)
+    bar = tqdm(total=len(lengths) * (len(widths) + len(sizes)), desc="calibrate", unit="shape", disable=not progress)
     for L in lengths:
         for w in widths:
             toks = torch.randint(0, vocab, (1, w), generator=gen).to(dev)
@@ -170,6 +236,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
                 head(h, toks, position_ids=pos, cache=dcache, tree_mask=mask)
 
             draft_samples.append((w, L, _time(draft_step, repeats, sync)))
+            bar.update(1)
         cache = target.new_cache(L + max(sizes) + 1)
         for v in sizes:
             n = v + 1
@@ -186,7 +253,10 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
                 target(toks, position_ids=positions, cache=cache, tree_mask=tmask if v else None, features=True)
 
             verify_samples.append((v, L, _time(verify_fwd, repeats, sync)))
+            bar.update(1)
+    bar.close()
     meta = {"device": str(dev), "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "machine": machine_meta(),
             "widths": list(widths), "sizes": list(sizes), "lengths": list(lengths), "repeats": repeats,
             "draft_samples": draft_samples, "verify_samples": verify_samples}
     return LatencyModel.fit(draft_samples, verify_samples, 0.0, meta)

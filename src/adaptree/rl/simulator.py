@@ -124,9 +124,10 @@ class SimRun:
         return sum(c.total_s for c in self.cycles)
 
 
-@dataclass
-class SimResult:
-    runs: list[SimRun]
+class RunTotals:
+    """Totals over ``self.runs`` (simulated runs or oracle schedules: each has ``cycles``, ``total_s``, ``ar_s``)."""
+
+    runs: list
 
     @property
     def cycles(self) -> int:
@@ -137,10 +138,6 @@ class SimResult:
         """Mean over all cycles of all prompts of (accepted + 1)."""
         n = self.cycles
         return sum(c.accepted + 1 for r in self.runs for c in r.cycles) / n if n else 0.0
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.runs)
 
     @property
     def total_s(self) -> float:
@@ -155,6 +152,15 @@ class SimResult:
         """Modelled AR time / modelled time (0 without a latency model)."""
         t = self.total_s
         return self.ar_s / t if t > 0 else 0.0
+
+
+@dataclass
+class SimResult(RunTotals):
+    runs: list[SimRun]
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.runs)
 
     def summary(self) -> dict:
         cyc = [c for r in self.runs for c in r.cycles]
