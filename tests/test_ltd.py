@@ -1,0 +1,328 @@
+"""LTD: observations, policy files, the controller (lossless, replayable, true L, every step) and training."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from adaptree.controllers import StaticConfig, StaticController, make_controller
+from adaptree.controllers.ltd import LTD_SIZES, LTDConfig, LTDController, LTDObservation
+from adaptree.engine import Engine
+from adaptree.rl.latency import LatencyModel
+from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.rl.simulator import simulate
+from adaptree.rl.traces import TraceSettings, record_trace
+from adaptree.tree import DraftTree
+
+
+PROMPTS = [[1, 5, 3], [2, 9], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5], [3, 3], [8, 1, 2, 3]]
+N_NEW = 30
+W, DMAX = 4, 6
+OBS = LTDObservation(width=W, max_depth=DMAX)
+LAT = LatencyModel(draft=[0.004, 0.0001, 1e-6, 0.0], verify=[0.03, 0.001, 2e-5, 1e-7], other_s=0.001)
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, head = models
+    s = TraceSettings(widths=(W,), max_depth=DMAX, max_new_tokens=N_NEW, feature_dtype="none")
+    with torch.inference_mode():
+        return [record_trace(target, head, p, settings=s, key=f"p{i}") for i, p in enumerate(PROMPTS)]
+
+
+def random_policy(kind: str, seed: int, obs: LTDObservation = OBS, hidden=(16,)) -> MLPPolicy:
+    torch.manual_seed(seed)
+    if kind == "depth":
+        cfg = MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(hidden), observation=obs.to_dict())
+    else:
+        cfg = MLPPolicyConfig("ltd-size", obs.size_dim, [2, 5, 9, 14], list(hidden), observation=obs.to_dict())
+    return MLPPolicy(cfg).eval()
+
+
+def rule_policy(kind: str, c0: float = 0.3) -> MLPPolicy:
+    """Hand-set weights with decisions that vary with D and L: the depth policy continues while
+    50·D/max_depth < L + 50·(c0 - 0.2) (deeper as the context grows); the size policy picks a larger V as L
+    grows."""
+    pol = random_policy(kind, 0, hidden=(1,))
+    n = pol.config.obs_dim
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.zero_()
+        w = pol.body[0].weight
+        if kind == "depth":
+            w[0, n - 2], w[0, n - 1] = -50.0, 1000.0
+            pol.body[0].bias[0] = 50.0 * (c0 - 0.2)
+            pol.head.weight[1, 0] = 1.0
+        else:
+            w[0, n - 1] = 100.0
+            pol.body[0].bias[0] = -2.0  # tanh(100 L/1000 - 2): -0.96 at L=1 .. +0.1 at L=21 .. 0.96 at L=40
+            pol.head.weight[:, 0] = torch.tensor([-3.0, -1.0, 1.0, 3.0])
+            pol.head.bias[:] = torch.tensor([0.0, 1.2, 1.2, 0.0])
+    return pol
+
+
+# ------------------------------------------------------------------------------------------ observations
+
+
+def grow(models, depth: int, context=(1, 5, 3)):
+    target, head = models
+    eng = Engine(target, head)
+    with torch.inference_mode():
+        out = target(torch.tensor([list(context)]), cache=eng.cache, features=True, logits_at=slice(-1, None))
+        tree = DraftTree(head, eng.draft_cache, W, 7, len(context))
+        toks = torch.tensor([list(context[1:]) + [7]])
+        steps = [tree.first_step(out.features, toks)]
+        while tree.depth < depth:
+            steps.append(tree.step())
+    return tree, steps
+
+
+def test_depth_observation_is_the_sorted_frontier_then_d_and_l(models):
+    tree, steps = grow(models, 3)
+    o1 = OBS.depth_obs(steps[0])
+    assert o1.shape == (OBS.depth_dim,) == (W * W + 2,)
+    want = torch.sort(steps[0].child_scores.reshape(-1), descending=True).values * OBS.score_scale
+    assert torch.allclose(o1[:W], want) and torch.all(o1[W:W * W] == OBS.score_floor * OBS.score_scale)
+    assert o1[-2] == pytest.approx(1 / DMAX) and o1[-1] == pytest.approx(3 / 1000)
+    o3 = OBS.depth_obs(steps[2])
+    s3 = torch.sort(steps[2].child_scores.reshape(-1), descending=True).values.clamp(min=OBS.score_floor)
+    assert torch.allclose(o3[:W * W], s3 * OBS.score_scale) and o3[-2] == pytest.approx(3 / DMAX)
+
+
+def test_size_observation_holds_every_candidate(models):
+    tree, _ = grow(models, 4)
+    o = OBS.size_obs(tree)
+    assert o.shape == (OBS.size_dim,) == (W + (DMAX - 1) * W * W + 2,)
+    n = tree.num_candidates
+    want = torch.sort(tree.candidate_scores(), descending=True).values.clamp(min=OBS.score_floor) * OBS.score_scale
+    assert torch.allclose(o[:n], want) and torch.all(o[n:-2] == OBS.score_floor * OBS.score_scale)
+    assert o[-2] == pytest.approx(4 / DMAX)
+
+
+def test_observation_ablations_and_bad_values(models):
+    tree, steps = grow(models, 2)
+    pl = LTDObservation(width=W, max_depth=DMAX, use_depth=False)
+    pd = LTDObservation(width=W, max_depth=DMAX, use_length=False)
+    assert pl.depth_obs(steps[-1]).shape == (W * W + 1,) and pl.depth_obs(steps[-1])[-1] == pytest.approx(3 / 1000)
+    assert pd.size_obs(tree).shape == (pd.max_candidates + 1,) and pd.size_obs(tree)[-1] == pytest.approx(2 / DMAX)
+    with pytest.raises(ValueError, match="do not fit"):
+        LTDObservation(width=W, max_depth=1).size_obs(tree)
+    with pytest.raises(ValueError, match="score_floor"):
+        LTDObservation(score_floor=1.0)
+    with pytest.raises(ValueError, match="max_depth"):
+        LTDObservation(max_depth=0)
+
+
+# ------------------------------------------------------------------------------------------ policy files
+
+
+def test_policy_round_trip_and_strict_loading(tmp_path):
+    pol = random_policy("size", 0)
+    pol.save(tmp_path / "p", training={"note": "x"})
+    again = MLPPolicy.load(tmp_path / "p", kind="ltd-size")
+    x = torch.randn(OBS.size_dim)
+    assert torch.equal(pol(x), again(x)) and again.config == pol.config
+    with pytest.raises(ValueError, match="'ltd-size' policy, a 'ltd-depth'"):
+        MLPPolicy.load(tmp_path / "p", kind="ltd-depth")
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(tmp_path / "p" / "model.safetensors"))
+    bad = dict(w)
+    bad.pop("head.bias")
+    save_file(bad, str(tmp_path / "p" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'head.bias'"):
+        MLPPolicy.load(tmp_path / "p")
+    bad = dict(w)
+    bad["head.weight"] = torch.zeros(3, 16)
+    save_file(bad, str(tmp_path / "p" / "model.safetensors"))
+    with pytest.raises(ValueError, match="'head.weight' has shape"):
+        MLPPolicy.load(tmp_path / "p")
+    cfg = json.loads((tmp_path / "p" / "config.json").read_text())
+    cfg["colour"] = "red"
+    (tmp_path / "p" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unknown policy config fields \\['colour'\\]"):
+        MLPPolicy.load(tmp_path / "p")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MLPPolicy.load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="activation"):
+        MLPPolicyConfig("x", 3, [0, 1], activation="gelu")
+
+
+def test_actor_extracted_from_sb3_gives_the_same_logits():
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+
+    class Dummy(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (7,), np.float32)
+        action_space = gym.spaces.Discrete(3)
+
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(7, np.float32), {}
+
+        def step(self, a):
+            return np.zeros(7, np.float32), 0.0, True, False, {}
+
+    model = PPO("MlpPolicy", Dummy(), policy_kwargs=dict(net_arch=dict(pi=[32, 16], vf=[8])), device="cpu", seed=0)
+    pol = MLPPolicy.from_sb3(model.policy, MLPPolicyConfig("t", 7, [0, 1, 2], [32, 16]))
+    x = torch.randn(5, 7)
+    with torch.no_grad():
+        want = model.policy.get_distribution(x).distribution.logits
+        got = torch.log_softmax(pol(x), -1)
+    assert torch.allclose(want, got, atol=1e-6)
+    with pytest.raises(ValueError, match="linear layers"):
+        MLPPolicy.from_sb3(model.policy, MLPPolicyConfig("t", 7, [0, 1, 2], [32]))
+
+
+# ------------------------------------------------------------------------------------------ controller
+
+
+@pytest.mark.parametrize("mode,seed", [("both", 0), ("both", 2), ("depth", 1), ("size", 0)])
+def test_ltd_is_lossless_and_replays_like_the_live_engine(models, traces, mode, seed):
+    target, head = models
+    dp, sp = rule_policy("depth", 0.2 + 0.1 * seed), rule_policy("size")
+
+    def make():
+        return LTDController(LTDConfig(width=W, depth=DMAX if mode != "size" else 4, size=7, mode=mode),
+                             depth_policy=dp, size_policy=sp)
+
+    eng = Engine(target, head)
+    depths, sizes = set(), set()
+    for prompt, tr in zip(PROMPTS, traces):
+        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+        live = eng.generate(prompt, make(), max_new_tokens=N_NEW)
+        assert live.token_ids == ar.token_ids  # lossless (fp32 greedy)
+        sim = simulate(make(), tr, max_new_tokens=N_NEW, measure_policy=False).runs[0]
+        assert [(c.depth, c.size, c.accepted) for c in sim.cycles] == [(c.depth, c.size, c.accepted) for c in live.cycles]
+        depths |= {c.depth for c in live.cycles}
+        sizes |= {c.size for c in live.cycles}
+    if mode in ("both", "depth"):
+        assert len(depths) > 1  # the policy really varies the depth
+    if mode in ("both", "size"):
+        assert len(sizes) > 1
+
+
+class Spy(LTDController):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.seen = []
+
+    def continue_drafting(self, step):
+        obs = self.depth_obs.depth_obs(step)
+        self.seen.append((step.depth, step.context_len, float(obs[-1])))
+        return super().continue_drafting(step)
+
+
+def test_depth_policy_sees_every_step_and_the_true_context_length(models):
+    """The public code's defects: L was a constant at inference and the policy ran every 3rd step."""
+    target, head = models
+    always = random_policy("depth", 0)
+    with torch.no_grad():
+        always.head.weight.zero_()
+        always.head.bias.copy_(torch.tensor([0.0, 1.0]))  # always CONTINUE
+    spy = Spy(LTDConfig(width=W, depth=DMAX, size=7, mode="depth"), depth_policy=always)
+    res = Engine(target, head).generate(PROMPTS[3], spy, max_new_tokens=N_NEW)
+    per_cycle = len(spy.seen) / len(res.cycles)
+    assert per_cycle == DMAX - 1  # asked after every draft forward but the last
+    assert [d for d, _, _ in spy.seen[:DMAX - 1]] == list(range(1, DMAX))
+    lengths = [(L, f) for _, L, f in spy.seen]
+    assert lengths[0][0] == len(PROMPTS[3]) and all(f == pytest.approx(L / 1000) for L, f in lengths)
+    assert len({L for L, _ in lengths}) == len(res.cycles)  # grows with every cycle
+
+
+def test_ltd_config_errors_name_the_problem(tmp_path, monkeypatch):
+    import adaptree.controllers.ltd as ltd
+
+    monkeypatch.setattr(ltd, "SHIPPED", tmp_path / "none")
+    with pytest.raises(ValueError, match="--ltd-depth-policy"):
+        make_controller("ltd")
+    with pytest.raises(ValueError, match="--ltd-size-policy"):
+        make_controller("ltd-size")
+    with pytest.raises(ValueError, match="mode"):
+        LTDConfig(mode="half")
+    with pytest.raises(ValueError, match="W=4"):
+        LTDController(LTDConfig(width=10, mode="depth"), depth_policy=random_policy("depth", 0))
+    with pytest.raises(ValueError, match="max_depth 6"):
+        LTDController(LTDConfig(width=W, depth=9, mode="size"), size_policy=random_policy("size", 0))
+    random_policy("depth", 0).save(tmp_path / "d")
+    random_policy("size", 0).save(tmp_path / "s")
+    ctl = make_controller("ltd", depth_policy=str(tmp_path / "d"), size_policy=str(tmp_path / "s"), width=W)
+    assert ctl.name == "ltd" and ctl.plan.max_depth == DMAX
+    with pytest.raises(ValueError, match="'ltd-size' policy, a 'ltd-depth'"):
+        make_controller("ltd-depth", depth_policy=str(tmp_path / "s"), width=W)
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def tiny_train_config(out, **kw):
+    from adaptree.rl.ltd_train import LTDTrainConfig
+
+    base = dict(out=str(out), width=W, max_depth=DMAX, sizes=(2, 4, 8, 16), size_steps=2048, depth_steps=4096,
+                iter_steps=1024, n_envs=4, rollout=512, batch_size=128, n_epochs=4, eval_every=2, fixed_depth=4,
+                fixed_size=10, depth_pi=(32,), depth_vf=(32, 16), size_pi=(32, 16), size_vf=(32, 16), threads=1)
+    base.update(kw)
+    return LTDTrainConfig(**base)
+
+
+def test_training_pipeline_stages_export_and_resume(traces, tmp_path):
+    from adaptree.rl.ltd_train import train_ltd
+
+    cfg = tiny_train_config(tmp_path / "run")
+    s = train_ltd(cfg, traces, LAT, progress=False)
+    assert list(s["stages"]) == ["stage1-size", "stage1-depth", "iter1-size", "iter2-depth", "iter3-size"]
+    assert [r["iteration"] for r in s["iterations"]] == [0, 1, 2, 3]
+    assert set(s["train_prompts"]).isdisjoint(s["val_prompts"]) and s["val_prompts"]
+    for name in s["stages"]:
+        log = (tmp_path / "run" / name / "log.csv").read_text().splitlines()
+        assert log[0].startswith("timesteps") and len(log) > 2
+    ctl = make_controller("ltd", depth_policy=str(tmp_path / "run/policy/depth"),
+                          size_policy=str(tmp_path / "run/policy/size"), width=W)
+    chosen = simulate(ctl, [t for t in traces if t.key in s["val_prompts"]], LAT, measure_policy=False)
+    assert chosen.speedup == pytest.approx(s["chosen"]["modelled_speedup"])
+    assert not list((tmp_path / "run").rglob("*.zip")) and not list((tmp_path / "run").rglob("*.pkl"))
+    # resume: finished stages are not run again
+    mtimes = {p: p.stat().st_mtime for p in (tmp_path / "run").glob("*/log.csv")}
+    again = train_ltd(cfg, traces, LAT, progress=False)
+    assert {p: p.stat().st_mtime for p in mtimes} == mtimes and again["chosen"] == s["chosen"]
+    with pytest.raises(ValueError, match="other settings.*iter_steps"):
+        train_ltd(tiny_train_config(tmp_path / "run", iter_steps=2048), traces, LAT, progress=False)
+
+
+def test_ppo_learns_to_stop_when_drafting_is_expensive(traces, tmp_path):
+    """With draft steps costing as much as a verification, the best depth is 1: the depth policy must find
+    it (static depth 4 at the same V is far slower)."""
+    from adaptree.rl.ltd_train import train_ltd
+
+    lat = LatencyModel(draft=[0.03, 0.0, 0.0, 0.0], verify=[0.03, 0.0002, 0.0, 0.0], other_s=0.0)
+    s = train_ltd(tiny_train_config(tmp_path / "run", iterations=0, depth_steps=4096), traces, lat, progress=False)
+    best_depth = s["stages"]["stage1-depth"]["best"]
+    static4 = simulate(StaticController(StaticConfig(W, 4, 10)), [t for t in traces if t.key in s["val_prompts"]],
+                       lat, measure_policy=False)
+    assert best_depth["mean_depth"] < 1.5
+    assert best_depth["modelled_speedup"] > 1.5 * static4.speedup
+
+
+def test_training_config_errors():
+    from adaptree.rl.ltd_train import LTDTrainConfig
+
+    with pytest.raises(ValueError, match="reward"):
+        LTDTrainConfig(reward="cycle_throughput")
+    with pytest.raises(ValueError, match="iterations"):
+        LTDTrainConfig(iterations=4)
+    with pytest.raises(ValueError, match="multiple of n_envs"):
+        LTDTrainConfig(rollout=1000, n_envs=3)
+    with pytest.raises(ValueError, match="sizes"):
+        LTDTrainConfig(sizes=(20,))
+    assert LTDTrainConfig().sizes == LTD_SIZES
+
+
+def test_only_the_size_policy_for_the_ablations(traces, tmp_path):
+    from adaptree.rl.ltd_train import train_ltd
+
+    s = train_ltd(tiny_train_config(tmp_path / "run", only="size", reward="acceptance"), traces, LAT, progress=False)
+    assert list(s["stages"]) == ["stage1-size"] and s["chosen"]["policy"] == "stage1-size"
+    pol = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
+    assert pol.config.actions == [2, 4, 8, 16] and not (tmp_path / "run/policy/depth").exists()

@@ -1,0 +1,544 @@
+"""Re-SpS: the (TT, d, k) action set, the feature state, action caching, losslessness, simulator replay,
+seeded temperature sampling, strict policy files, the CLI flags and `adaptree train resps` on tiny models."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from adaptree.controllers import CONFIGS, LEARNED, METHODS, make_controller
+from adaptree.controllers.resps import (RESPS_DEPTHS, RESPS_TOPKS, RESPS_TOTALS, ReSpSConfig, ReSpSController,
+                                        ReSpSState, action_widths, check_actions, plan_of, resps_actions)
+from adaptree.engine import Engine
+from adaptree.rl.latency import LatencyModel
+from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.rl.simulator import simulate
+from adaptree.rl.traces import TraceSettings, record_trace
+
+
+H = 32  # the tiny target's hidden size: features have 3H = 96 values
+PROMPTS = [[1, 5, 3], [2, 9], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5], [3, 3], [8, 1, 2, 3]]
+N_NEW = 40
+TINY = resps_actions(totals=(4, 10), depths=(2, 3, 4), topks=(2, 4))
+"""7 actions over W in {2, 4} (the tiny head has a 12-token draft vocabulary)."""
+LAT = LatencyModel(draft=[0.004, 0.0001, 1e-6, 0.0], verify=[0.03, 0.001, 2e-5, 1e-7], other_s=0.001)
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, head = models
+    s = TraceSettings(widths=(2, 4), max_depth=4, max_new_tokens=N_NEW, feature_dtype="float32")
+    with torch.inference_mode():
+        return [record_trace(target, head, p, settings=s, key=f"p{i}") for i, p in enumerate(PROMPTS)]
+
+
+def nearest_center_policy(state: ReSpSState = ReSpSState(H), actions=TINY, seed: int = 4, scale: float = 1.0,
+                          kind: str = "resps") -> MLPPolicy:
+    """Hand-set weights: one hidden unit h = tanh(scale * <state, u>) for a fixed unit direction u; action i has
+    the logit 2 c_i h - c_i^2 (= h^2 - (h - c_i)^2), so the action whose centre c_i (evenly spaced in [-1, 1]) is
+    nearest to h wins: the plan changes with the features. Direction seed 4: no recorded state of the tiny
+    model lies near a tie (test_replay_margins_are_not_ties), and all 7 actions occur."""
+    cfg = MLPPolicyConfig(kind, state.dim, [list(a) for a in actions], [1], "tanh", state.to_dict())
+    pol = MLPPolicy(cfg).eval()
+    u = torch.randn(state.dim, generator=torch.Generator().manual_seed(seed))
+    c = torch.linspace(-0.9, 0.9, len(actions))
+    with torch.no_grad():
+        pol.body[0].weight.copy_((scale * u / u.norm())[None])
+        pol.body[0].bias.zero_()
+        pol.head.weight.copy_(2 * c[:, None])
+        pol.head.bias.copy_(-c * c)
+    return pol
+
+
+def uniform_policy(state: ReSpSState = ReSpSState(H), actions=TINY) -> MLPPolicy:
+    """Every logit 0: argmax picks action 0, sampling is uniform."""
+    pol = MLPPolicy(MLPPolicyConfig("resps", state.dim, [list(a) for a in actions], [4], "tanh", state.to_dict()))
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.zero_()
+    return pol.eval()
+
+
+def ctl(policy=None, **kw) -> ReSpSController:
+    return ReSpSController(ReSpSConfig(**kw), policy=policy if policy is not None else nearest_center_policy())
+
+
+# ----------------------------------------------------------------------------------------------- action set
+
+
+def test_action_set_is_the_papers_177_valid_combinations():
+    acts = resps_actions()
+    assert len(acts) == 177 and len(set(acts)) == 177
+    every = [(t, d, k) for t in RESPS_TOTALS for d in RESPS_DEPTHS for k in RESPS_TOPKS]
+    assert len(every) == 180  # the paper's 180 combinations before filtering
+    dropped = sorted(set(every) - set(acts))
+    assert dropped == [(80, 3, 8), (96, 3, 8), (128, 3, 8)]  # 8^2 = 64 < TT
+    assert all(t <= k ** (d - 1) for t, d, k in acts)
+    assert acts == [a for a in every if a not in dropped]  # (TT, d, k) order
+    assert action_widths(acts) == (8, 12, 16, 20, 32)
+    p = plan_of((48, 5, 16))
+    assert (p.width, p.max_depth, p.size) == (16, 5, 48)  # W = k, depth = d, V = TT
+    # every plan's full tree has at least TT candidates: V is never clamped by the tree
+    assert all(k + (d - 1) * k * k >= t for t, d, k in acts)
+    assert len(TINY) == 7 and (10, 3, 2) not in TINY and (4, 2, 2) not in TINY and (10, 3, 4) in TINY
+
+
+def test_bad_action_sets_name_the_entry():
+    with pytest.raises(ValueError, match=r"\(80, 3, 8\) violates TT <= k\^\(d-1\) = 64"):
+        check_actions([(32, 3, 8), (80, 3, 8)])
+    with pytest.raises(ValueError, match=r"\(32, 3, 8\) appears more than once"):
+        check_actions([(32, 3, 8), [32, 3, 8]])
+    with pytest.raises(ValueError, match="at least 2 actions"):
+        check_actions([(32, 3, 8)])
+    with pytest.raises(ValueError, match="action 1 must be a \\(TT, d, k\\) triple"):
+        check_actions([(32, 3, 8), (32, 3)])
+    with pytest.raises(ValueError, match="action 1 must be a \\(TT, d, k\\) triple"):
+        check_actions([(32, 3, 8), ("32", 3, 8)])
+    with pytest.raises(ValueError, match="d must be in 1..64, got 0"):
+        check_actions([(32, 3, 8), (1, 0, 8)])
+    with pytest.raises(ValueError, match="k must be in 1..64, got 65"):
+        check_actions([(32, 3, 8), (32, 3, 65)])
+    with pytest.raises(ValueError, match="TT must be >= 1"):
+        check_actions([(32, 3, 8), (0, 3, 8)])
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+def test_state_concat_mean_and_normalisation():
+    g = torch.stack([torch.randn(H) * s for s in (1.0, 30.0, 400.0)])  # the deeper, the larger
+    f = g.reshape(-1)
+    raw = ReSpSState(H, "concat", "none")
+    assert torch.equal(raw(f), f) and raw.dim == 3 * H
+    assert torch.allclose(ReSpSState(H, "mean", "none")(f), g.mean(0)) and ReSpSState(H, "mean").dim == H
+    rms = ReSpSState(H)(f).view(3, H)
+    assert torch.allclose(rms.square().mean(1), torch.ones(3), atol=1e-4)  # every group at unit RMS
+    assert torch.allclose(rms, g / g.square().mean(1, keepdim=True).sqrt(), atol=1e-5)
+    assert torch.allclose(ReSpSState(H, "mean")(f), rms.mean(0))
+    assert torch.equal(ReSpSState(H)(f.to(torch.bfloat16)), ReSpSState(H)(f.to(torch.bfloat16).float()))
+    with pytest.raises(ValueError, match="features have 150 values.*hidden size 32 \\(3 x 32 = 96"):
+        ReSpSState(H)(torch.zeros(150))
+    with pytest.raises(ValueError, match="needs the target features"):
+        ReSpSState(H)(None)
+    with pytest.raises(ValueError, match="state must be one of"):
+        ReSpSState(H, "sum")
+    with pytest.raises(ValueError, match="normalize"):
+        ReSpSState(H, normalize="layer")
+    with pytest.raises(ValueError, match="hidden"):
+        ReSpSState(0)
+
+
+# ----------------------------------------------------------------------------------------------- caching
+
+
+@pytest.mark.parametrize("interval", [1, 3, 30])
+def test_action_is_chosen_every_n_cycles_and_kept_in_between(models, interval):
+    target, head = models
+    eng = Engine(target, head)
+    c = ctl(uniform_policy(), interval=interval, temperature=1.0, seed=3)  # random plans: every change shows
+    for prompt in (PROMPTS[3], PROMPTS[0]):
+        res = eng.generate(prompt, c, max_new_tokens=120)
+        n = len(res.cycles)
+        assert n > 30  # interval 30 sees at least two decisions
+        assert [cy for cy, _ in c.decisions] == list(range(0, n, interval))  # a new decision every N cycles
+        chosen = dict(c.decisions)
+        for rec in res.cycles:
+            a = chosen[rec.cycle - rec.cycle % interval]
+            tt, d, k = TINY[a]
+            assert (rec.width, rec.depth, rec.size) == (k, d, tt)
+        if interval == 1:
+            assert len({a for _, a in c.decisions}) == len(TINY)  # the sampled plans really vary
+    # the cache starts empty at every generation and the sampler restarts from its seed
+    again = eng.generate(PROMPTS[0], c, max_new_tokens=120)
+    assert [(r.width, r.depth, r.size) for r in again.cycles] == [(r.width, r.depth, r.size) for r in res.cycles]
+
+
+def test_decisions_cost_policy_time_only_when_taken(models):
+    target, head = models
+    c = ctl(interval=4)
+    res = Engine(target, head).generate(PROMPTS[3], c, max_new_tokens=60)
+    assert sum(c.counts.values()) == len(c.decisions) == -(-len(res.cycles) // 4)
+    assert all(r.policy_s > 0 for r in res.cycles if r.cycle % 4 == 0)
+
+
+# ----------------------------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("interval,temperature,seed", [(1, 0.0, 0), (3, 0.0, 0), (1, 1.5, 0), (5, 1.5, 7)])
+def test_resps_is_lossless_and_replays_like_the_live_engine(models, traces, interval, temperature, seed):
+    target, head = models
+    pol = nearest_center_policy()
+    eng = Engine(target, head)
+    plans = set()
+    for prompt, tr in zip(PROMPTS, traces):
+        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+        live_ctl = ctl(pol, interval=interval, temperature=temperature, seed=seed)
+        live = eng.generate(prompt, live_ctl, max_new_tokens=N_NEW)
+        assert live.token_ids == ar.token_ids  # lossless (fp32 greedy), whatever the plans
+        sim_ctl = ctl(pol, interval=interval, temperature=temperature, seed=seed)
+        sim = simulate(sim_ctl, tr, max_new_tokens=N_NEW, measure_policy=False).runs[0]
+        assert [(c.width, c.depth, c.size, c.accepted) for c in sim.cycles] == \
+               [(c.width, c.depth, c.size, c.accepted) for c in live.cycles]
+        assert sim_ctl.decisions == live_ctl.decisions
+        plans |= {(c.width, c.depth, c.size) for c in live.cycles}
+    assert len(plans) >= 4  # the policy really switches plans
+
+
+def test_replay_margins_are_not_ties(models, traces):
+    """The replay test above means something only if no decision sits on a tie of the hand-set policy: the
+    recorded features differ from the live ones in the last float bits (docs/traces.md). Checked at every
+    recorded position (every state any path can reach) and on the live features of an interval-1 run."""
+    target, head = models
+    pol = nearest_center_policy()
+    state = ReSpSState(H)
+
+    @torch.no_grad()
+    def margin(f):
+        top = torch.topk(pol(state(f)), 2).values
+        return float(top[0] - top[1])
+
+    recorded = [margin(torch.from_numpy(f)) for tr in traces for f in tr.features]
+    assert len(recorded) == sum(tr.end for tr in traces) and min(recorded) > 1e-3
+    live = []
+
+    class Spy(ReSpSController):
+        def begin_cycle(self, ctx):
+            live.append(margin(ctx.features))
+            return super().begin_cycle(ctx)
+
+    eng = Engine(target, head)
+    for prompt in PROMPTS:
+        eng.generate(prompt, Spy(ReSpSConfig(interval=1), policy=pol), max_new_tokens=N_NEW)
+    assert min(live) > 1e-3
+
+
+def test_temperature_sampling_uses_its_own_seeded_generator(models):
+    target, head = models
+    eng = Engine(target, head)
+    pol = nearest_center_policy(scale=0.1)  # flat logits: sampling really samples
+    ar = eng.generate(PROMPTS[3], None, max_new_tokens=N_NEW)
+    runs = {}
+    for seed in (0, 0, 1):
+        torch.manual_seed(1234)
+        state = torch.get_rng_state()
+        c = ctl(pol, interval=1, temperature=1.5, seed=seed)
+        res = eng.generate(PROMPTS[3], c, max_new_tokens=N_NEW)
+        assert torch.equal(torch.get_rng_state(), state)  # torch's global RNG untouched
+        assert res.token_ids == ar.token_ids  # lossless
+        runs.setdefault(seed, []).append([a for _, a in c.decisions])
+    assert runs[0][0] == runs[0][1]  # the same seed, the same plans
+    assert runs[0][0] != runs[1][0]  # another seed, other plans
+    argmax = ctl(pol, interval=1, temperature=0.0)
+    eng.generate(PROMPTS[3], argmax, max_new_tokens=N_NEW)
+    assert len({a for _, a in argmax.decisions}) < len({a for _, a in ctl_decisions(eng, pol)})
+
+
+def ctl_decisions(eng, pol):
+    c = ctl(pol, interval=1, temperature=1.5, seed=5)
+    eng.generate(PROMPTS[3], c, max_new_tokens=N_NEW)
+    return c.decisions
+
+
+# ----------------------------------------------------------------------------------------------- files and errors
+
+
+def test_policy_files_load_strictly_and_errors_name_the_problem(models, tmp_path, monkeypatch):
+    import adaptree.controllers.resps as resps
+    from safetensors.torch import load_file, save_file
+
+    pol = nearest_center_policy()
+    pol.save(tmp_path / "p", training={"inference_temperature": 1.5})
+    c = make_controller("resps", policy=str(tmp_path / "p"))
+    x = torch.randn(3 * H)
+    assert torch.equal(c.policy(c.state(x)), pol(ReSpSState(H)(x)))
+    assert c.temperature == 1.5 and c.config.interval == 30  # the recorded inference temperature; N = 30
+    assert make_controller("resps", policy=str(tmp_path / "p"), temperature=0.0).temperature == 0.0
+    assert c.plans[2].width == TINY[2][2] and c.actions == TINY
+    # a kind mismatch
+    ltd = MLPPolicy(MLPPolicyConfig("ltd-size", 3 * H, [20, 40], [4]))
+    ltd.save(tmp_path / "ltd")
+    with pytest.raises(ValueError, match="'ltd-size' policy, a 'resps' policy is needed"):
+        make_controller("resps", policy=str(tmp_path / "ltd"))
+    with pytest.raises(ValueError, match="Re-SpS needs a 'resps' policy"):
+        ReSpSController(policy=ltd)
+    # a policy trained on another target (hidden 48) refuses this one's features
+    wide = ReSpSState(48)
+    target, head = models
+    c48 = ctl(nearest_center_policy(wide))
+    with pytest.raises(ValueError, match="features have 96 values.*hidden size 48"):
+        Engine(target, head).generate(PROMPTS[0], c48, max_new_tokens=8)
+    # obs_dim inconsistent with the observation settings
+    bad = MLPPolicy(MLPPolicyConfig("resps", 3 * H, [list(a) for a in TINY], [4], observation=ReSpSState(H, "mean").to_dict()))
+    with pytest.raises(ValueError, match="obs_dim 96 does not match its observation \\(mean of H=32: 32 values\\)"):
+        ReSpSController(policy=bad)
+    with pytest.raises(ValueError, match="observation settings are not valid"):
+        ReSpSController(policy=MLPPolicy(MLPPolicyConfig("resps", 3, [[4, 2, 4], [4, 3, 2]], [2],
+                                                         observation={"colour": 1})))
+    # an action outside the constraint
+    cfg = json.loads((tmp_path / "p" / "config.json").read_text())
+    cfg["actions"][0] = [10, 2, 2]
+    (tmp_path / "p" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"\(10, 2, 2\) violates TT <= k\^\(d-1\) = 2"):
+        make_controller("resps", policy=str(tmp_path / "p"))
+    # strict weights
+    pol.save(tmp_path / "q")
+    w = load_file(str(tmp_path / "q" / "model.safetensors"))
+    save_file({k: v for k, v in w.items() if k != "head.bias"}, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensor 'head.bias'"):
+        make_controller("resps", policy=str(tmp_path / "q"))
+    save_file({**w, "head.weight": torch.zeros(5, 1)}, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(ValueError, match="'head.weight' has shape"):
+        make_controller("resps", policy=str(tmp_path / "q"))
+    # the state flag must match the policy's
+    pol.save(tmp_path / "r")
+    with pytest.raises(ValueError, match="--resps-state mean does not match the policy.*'concat'"):
+        make_controller("resps", policy=str(tmp_path / "r"), state="mean")
+    assert make_controller("resps", policy=str(tmp_path / "r"), state="concat").state.state == "concat"
+    # config values
+    with pytest.raises(ValueError, match="--resps-interval.*got 0"):
+        ReSpSConfig(interval=0)
+    with pytest.raises(ValueError, match="--resps-temperature.*got -1"):
+        ReSpSConfig(temperature=-1.0)
+    with pytest.raises(ValueError, match="--resps-state"):
+        ReSpSConfig(state="sum")
+    with pytest.raises(ValueError, match="bad options for method 'resps'.*interval"):
+        make_controller("resps", width=4)
+    # nothing shipped: the error names the flag
+    monkeypatch.setattr(resps, "SHIPPED", tmp_path / "none")
+    with pytest.raises(ValueError, match="--resps-policy PATH"):
+        make_controller("resps")
+
+
+def test_registry_and_cli_flags(tmp_path):
+    from adaptree.cli import build_controller, build_parser
+
+    assert "resps" in METHODS and "resps" in LEARNED and CONFIGS["resps"] == (ReSpSConfig, ReSpSController)
+    nearest_center_policy().save(tmp_path / "p")
+    p = build_parser()
+    args = p.parse_args(["generate", "hi", "--method", "resps", "--resps-policy", str(tmp_path / "p"),
+                         "--resps-interval", "5", "--resps-state", "concat", "--resps-temperature", "1.5"])
+    c = build_controller(args, head=object())
+    assert (c.name, c.config.interval, c.config.state, c.temperature) == ("resps", 5, "concat", 1.5)
+    # bench: one args object for every arm; -W/-D/-V are the static tree's, never passed to resps
+    args = p.parse_args(["bench", "-W", "4", "-D", "3", "-V", "9", "--resps-policy", str(tmp_path / "p")])
+    args.method = "resps"
+    c = build_controller(args, head=object())
+    assert c.config == ReSpSConfig(policy=str(tmp_path / "p")) and c.config.interval == 30
+    args.method = "static"
+    assert build_controller(args, head=object()).config.width == 4
+    # the policy shipped next to the head in use
+    head_dir = tmp_path / "head"
+    nearest_center_policy().save(head_dir / "resps")
+    args = p.parse_args(["generate", "hi", "--method", "resps"])
+    args.draft_path = str(head_dir)
+    assert build_controller(args, head=object()).config.policy == str(head_dir / "resps")
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "hi", "--method", "resps", "--resps-state", "sum"])
+    assert asdict(ReSpSConfig()) == {"policy": None, "interval": 30, "state": None, "temperature": None, "seed": 0}
+
+
+# ----------------------------------------------------------------------------------------------- training
+
+MORE = [torch.randint(0, 16, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for g in [torch.Generator().manual_seed(0)] for _ in range(6)]
+EXPENSIVE = LatencyModel(draft=[0.05, 0.0, 0.0, 0.0], verify=[0.01, 0.01, 0.0, 0.0], other_s=0.0)
+"""Every draft forward and every verified node costs a lot: the cheapest tree (TT 4, d 2, k 4) is best."""
+
+
+@pytest.fixture(scope="module")
+def train_traces(models):
+    """12 prompts with widths 2, 4 (the tiny action set) and 10 at depth 8 (the static EAGLE-3 baseline)."""
+    target, head = models
+    s = TraceSettings(widths=(2, 4, 10), max_depth=8, max_new_tokens=N_NEW, feature_dtype="float16")
+    with torch.inference_mode():
+        return [record_trace(target, head, p, settings=s, key=f"p{i}") for i, p in enumerate(PROMPTS + MORE)]
+
+
+def tiny_config(out, **kw):
+    from adaptree.rl.resps_train import ReSpSTrainConfig
+
+    base = dict(out=str(out), totals=(4, 10), depths=(2, 3, 4), topks=(2, 4), steps=256, interval=3, eval_every=2,
+                checkpoint_every=2, pi=(32, 32), vf=(32, 32), threads=1)
+    base.update(kw)
+    return ReSpSTrainConfig(**base)
+
+
+def sim_setup(traces, lat=LAT, val_fraction=0.25):
+    from adaptree.rl.envs import SimSource
+    from adaptree.rl.resps_train import SimValidator, split_prompts
+
+    tr, va = split_prompts([t.key for t in traces], val_fraction)
+    return (SimSource([t for t in traces if t.key in tr], lat), SimValidator([t for t in traces if t.key in va], lat),
+            [t for t in traces if t.key in va])
+
+
+def test_training_pipeline_budget_resume_export_summary(train_traces, tmp_path):
+    import csv
+
+    from adaptree.rl.resps_train import train_resps
+
+    source, validator, val = sim_setup(train_traces)
+    out = tmp_path / "run"
+    first = train_resps(tiny_config(out, time_budget_s=0.0), source, validator, hidden=H, progress=False)
+    assert first["interrupted"] and first["timesteps"] == 64  # stopped after one rollout, checkpointed
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["rollouts"] == 1 and not (out / "result.json").exists()
+    s = train_resps(tiny_config(out), source, validator, hidden=H, progress=False)  # continues from the checkpoint
+    assert s["training"]["timesteps"] == 256 and s["training"]["rollouts"] == 4
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert [int(r["rollouts"]) for r in rows] == [1, 2, 3, 4] and [int(r["timesteps"]) for r in rows][-1] == 256
+    assert rows[1]["val_metric"] and rows[3]["val_metric"] and not rows[2]["val_metric"]
+    assert float(rows[0]["entropy"]) == pytest.approx(np.log(len(TINY)), abs=0.05)  # starts near uniform
+    # the export loads as --method resps and replays to the summary's numbers
+    c = make_controller("resps", policy=str(out / "policy"))
+    assert c.temperature == 0.0 and c.actions == TINY and c.state.dim == 3 * H
+    assert c.config.interval == 30
+    sim = simulate(c, val, LAT, measure_policy=False)
+    assert sim.speedup == pytest.approx(s["resps"]["resps N=30"]["modelled_speedup"], rel=1e-9)
+    assert set(s["resps"]) == {"resps N=1", "resps N=3", "resps N=10", "resps N=30", "resps N=50"}
+    assert s["resps"]["resps N=1"]["policy_overhead_pct"] > s["resps"]["resps N=50"]["policy_overhead_pct"] > 0
+    base = s["baselines"]
+    assert "static W10 d8 V60" in base and base["oracle per cycle (action grid)"]["modelled_speedup"] >= max(
+        r["modelled_speedup"] for r in [*s["resps"].values(), *base.values()]) - 1e-12
+    fixed = next(v for k, v in base.items() if k.startswith("best fixed action"))
+    assert fixed["modelled_speedup"] >= s["resps"]["resps N=30"]["modelled_speedup"] - 1e-12  # the best constant
+    table = (out / "summary.md").read_text()
+    assert "| resps N=30 |" in table and "oracle per cycle" in table and "policy overhead" in table
+    facts = json.loads((out / "policy" / "config.json").read_text())["training"]
+    assert facts["interval_train"] == 3 and facts["interval_inference"] == 30 and facts["reward"] == "cycle_throughput"
+    assert not list(out.rglob("*.zip")) and not list(out.rglob("*.pkl"))  # no pickles in the run folder
+    # a finished run is not trained again; other settings are refused
+    mtime = (out / "log.csv").stat().st_mtime
+    again = train_resps(tiny_config(out), source, validator, hidden=H, progress=False)
+    assert (out / "log.csv").stat().st_mtime == mtime and again["training"] == s["training"]
+    with pytest.raises(ValueError, match="other settings \\(gamma\\)"):
+        train_resps(tiny_config(out, gamma=0.99), source, validator, hidden=H, progress=False)
+    more = train_resps(tiny_config(out, steps=384), source, validator, hidden=H, progress=False)  # raise --steps
+    rows = list(csv.DictReader(open(out / "log.csv")))
+    assert more["training"]["timesteps"] == 384 and [int(r["rollouts"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_ppo_learns_the_cheapest_tree(train_traces, tmp_path):
+    """With drafting and every verified node expensive, (TT 4, d 2, k 4) is the best tree at every state: PPO must
+    find it (validated at N = 30 like inference) and match the best fixed action of the grid."""
+    from adaptree.rl.resps_train import train_resps
+
+    source, validator, _ = sim_setup(train_traces, EXPENSIVE)
+    s = train_resps(tiny_config(tmp_path / "run", steps=2048, eval_every=4, lr=3e-3), source, validator, hidden=H,
+                    progress=False)
+    fixed = next(v for k, v in s["baselines"].items() if k.startswith("best fixed action"))
+    assert next(k for k in s["baselines"] if k.startswith("best fixed")) == "best fixed action TT4 d2 k4"
+    got = s["resps"]["resps N=30"]
+    assert got["modelled_speedup"] == pytest.approx(fixed["modelled_speedup"], rel=1e-6)
+    assert got["modelled_speedup"] > 3 * s["baselines"]["static W10 d8 V60"]["modelled_speedup"]
+    pol = MLPPolicy.load(tmp_path / "run" / "policy", kind="resps")
+    states = torch.stack([ReSpSState(H)(torch.from_numpy(f)) for t in train_traces for f in t.features])
+    with torch.no_grad():
+        picks = pol(states).argmax(1)
+    assert (picks == TINY.index((4, 2, 4))).float().mean() > 0.9  # at (nearly) every recorded state
+
+
+def test_max_entropy_variant_samples_at_temperature_1_5(train_traces, tmp_path):
+    from adaptree.rl.resps_train import ReSpSTrainConfig, train_resps
+
+    d = ReSpSTrainConfig()
+    assert (d.ent_coef, d.inference_temperature, d.gamma, d.gae_lambda, d.interval, d.val_interval) == \
+           (0.01, 0.0, 0.95, 0.9, 10, 30)
+    assert (d.n_steps, d.batch_size, d.n_epochs, d.clip_range, d.lr, d.pi, d.vf) == \
+           (64, 32, 4, 0.2, 3e-4, (128, 128), (128, 128))
+    me = ReSpSTrainConfig(max_entropy=True)
+    assert (me.ent_coef, me.inference_temperature) == (0.1, 1.5)
+    assert len(d.actions()) == 177 and d.trace_widths() == (8, 10, 12, 16, 20, 32) and d.trace_depth() == 8
+    source, validator, _ = sim_setup(train_traces)
+    s = train_resps(tiny_config(tmp_path / "me", steps=128, max_entropy=True), source, validator, hidden=H,
+                    progress=False)
+    c = make_controller("resps", policy=str(tmp_path / "me" / "policy"))
+    assert c.temperature == 1.5 and json.loads((tmp_path / "me" / "policy" / "config.json").read_text())[
+        "training"]["ent_coef"] == 0.1
+    assert s["resps"]["resps N=1"]["unique_actions"] > 1  # sampled: several plans
+    for bad, match in [(dict(state="sum"), "state"), (dict(reward="speed"), "reward"), (dict(interval=0), "interval"),
+                       (dict(n_steps=60), "multiple of batch_size"), (dict(gamma=1.5), "gamma"),
+                       (dict(totals=(10,), depths=(2,), topks=(2,)), "at least 2 actions")]:
+        with pytest.raises(ValueError, match=match):
+            ReSpSTrainConfig(**bad)
+
+
+def test_live_training_and_live_validation(models, tmp_path):
+    """The paper's online mode: PlanEnv on the live engine (wall-clock rewards), validated live on held-out prompts
+    with an engine of its own (the training generation is paused mid-way when validation runs)."""
+    from adaptree.rl.envs import LiveSource
+    from adaptree.rl.resps_train import LiveValidator, train_resps
+
+    target, head = models
+    engine = Engine(target, head)
+    source = LiveSource(engine, PROMPTS[:4], max_new_tokens=N_NEW)
+    validator = LiveValidator(engine, [("a", PROMPTS[4]), ("b", PROMPTS[5])], N_NEW)
+    s = train_resps(tiny_config(tmp_path / "live", steps=128, eval_every=1), source, validator, hidden=H,
+                    progress=False)
+    assert s["val_metric"] == "tokens_per_s" and s["settings"]["source"] == "live"
+    assert s["resps"]["resps N=30"]["tokens_per_s"] > 0 and set(s["baselines"]) == {"ar", "static W10 d8 V60"}
+    assert s["baselines"]["ar"]["tau"] == 1.0
+    c = make_controller("resps", policy=str(tmp_path / "live" / "policy"))
+    ar = engine.generate(PROMPTS[0], None, max_new_tokens=N_NEW)
+    assert engine.generate(PROMPTS[0], c, max_new_tokens=N_NEW).token_ids == ar.token_ids
+
+
+def test_train_resps_cli_arguments():
+    from adaptree.cli import build_parser
+
+    args = build_parser().parse_args(["train", "resps", "--latency", "lat.json", "--max-entropy", "--state", "mean",
+                                      "--totals", "32,64", "--live", "--val", "live", "--time-budget-min", "5"])
+    assert args.func.__name__ == "cmd_train_resps"
+    assert (args.max_entropy, args.state, args.totals, args.depths, args.live, args.val) == \
+           (True, "mean", (32, 64), RESPS_DEPTHS, True, "live")
+    assert (args.steps, args.interval, args.val_interval, args.train_chat, args.train_code) == (40000, 10, 30, 64, 0)
+
+
+def test_each_step_is_credited_with_the_cycles_its_own_action_ran(traces):
+    """The public code's reward landed one cycle late and timed no drafting. Here step i's reward is the mean
+    (accepted + 1) / (draft + verify + other seconds) of exactly the cycles run under action i, and the
+    observation is the controller's state of the decision cycle's features."""
+    from adaptree.controllers import Controller, TreePlan
+    from adaptree.rl.envs import PlanEnv, SimSource
+
+    n = 3
+    acts = [(4, 2, 4), (10, 4, 4), (4, 3, 2)]  # (TT, d, k)
+    plans = [(k, d, tt) for tt, d, k in acts]
+    state = ReSpSState(H)
+    src = SimSource([traces[3]], LAT)
+    env = PlanEnv(src, plans, state.dim, lambda ctx: state(ctx.features).numpy(), interval=n)
+
+    class Cycling(Controller):  # what the agent below does, as a plain controller
+        name = "cycling"
+
+        def reset(self):
+            self.i = -1
+
+        def begin_cycle(self, ctx):
+            if ctx.cycle % n == 0:
+                self.i += 1
+            return TreePlan(*plans[self.i % 3])
+
+    ref = simulate(Cycling(), traces[3], LAT, measure_policy=False).runs[0].cycles
+    obs, _ = env.reset(seed=0)
+    rewards, observed, i, done = [], [obs], 0, False
+    while not done:
+        obs, r, done, _, info = env.step(i % 3)
+        rewards.append((r, info["cycles"]))
+        observed.append(obs)
+        i += 1
+    env.close()
+    assert len(rewards) == -(-len(ref) // n)
+    for k, (r, cycles) in enumerate(rewards):
+        chunk = ref[k * n:(k + 1) * n]
+        assert cycles == len(chunk) and {(c.width, c.depth) for c in chunk} == {plans[k % 3][:2]}
+        want = np.mean([(c.accepted + 1) / (c.draft_s + c.verify_s + c.other_s) for c in chunk]) * src.reference_step_s
+        assert r == pytest.approx(want, rel=1e-12) and all(c.draft_s > 0 for c in chunk)
+    roots = np.cumsum([0] + [c.accepted + 1 for c in ref])[:-1]  # output position of every cycle's root
+    for k in range(len(rewards)):
+        f = torch.from_numpy(traces[3].features[roots[k * n]])
+        assert np.allclose(observed[k], state(f).numpy())  # the state of the decision cycle, no later one
