@@ -40,6 +40,16 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def models():
+    """A tiny target and its head (12-token draft vocabulary), shared by a test module, on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = tiny_target()
+    yield target, tiny_head(target, draft_vocab=12)
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_pair():
     target = tiny_target()

@@ -258,10 +258,24 @@ def test_cli_flags_reach_every_method(tmp_path):
     tuned = tmp_path / "static_gs.json"
     tuned.write_text(json.dumps({"width": 5, "depth": 3, "size": 12}))
     RadarPolicy(RadarModelConfig(width=4, max_depth=8, hidden=8)).save(tmp_path / "radar")
+    from adaptree.controllers.ltd import LTD_SIZES, LTDObservation
+    from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
+
+    obs = LTDObservation(width=4, max_depth=10)
+    MLPPolicy(MLPPolicyConfig("ltd-depth", obs.depth_dim, [0, 1], [8], observation=obs.to_dict())).save(
+        tmp_path / "ltd-depth")
+    MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(LTD_SIZES), [8], observation=obs.to_dict())).save(
+        tmp_path / "ltd-size")
+    from adaptree.controllers.resps import ReSpSState, resps_actions
+
+    MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
+                              observation=ReSpSState(32).to_dict())).save(tmp_path / "resps")
     p = build_parser()
     args = p.parse_args(["bench", "-W", "4", "--deagle-tau-s", "0.2", "--deagle-votes", "expected",
                          "--ddd-threshold", "-0.5", "--ddd-check-depths", "3,4", "--svip-min-entropy", "0.4",
-                         "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar")])
+                         "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar"),
+                         "--ltd-depth-policy", str(tmp_path / "ltd-depth"),
+                         "--ltd-size-policy", str(tmp_path / "ltd-size"), "--resps-policy", str(tmp_path / "resps")])
     built = {}
     for m in METHODS:  # as bench does: one args object, method set per arm
         args.method = m
@@ -274,6 +288,10 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert built["gammatune"].config.depth == 8 and built["ar"].name == "ar"
     assert (built["static-gs"].config.width, built["static-gs"].config.size) == (5, 12)  # the tuned W, not -W
     assert built["radar"].plan.width == 4 and built["radar"].plan.max_depth == 8
+    assert built["ltd"].plan.max_depth == 10 and built["ltd"].depth_policy and built["ltd"].size_policy
+    assert built["ltd-depth"].size_policy is None and built["ltd-depth"].plan.size == 60
+    assert built["ltd-size"].depth_policy is None and built["ltd-size"].plan.max_depth == 8
+    assert built["resps"].config.interval == 30 and len(built["resps"].plans) == 177
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--depth", "18", "--deagle-min-votes", "3"])
     assert build_controller(args, head=object()).config.depth == 18
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])

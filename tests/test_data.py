@@ -349,3 +349,28 @@ def test_mt_bench_second_turns_see_first_answers():
     assert turns[1].messages == [{"role": "user", "content": qs[0].turns[0]},
                                  {"role": "assistant", "content": "FIRST"},
                                  {"role": "user", "content": qs[0].turns[1]}]
+
+
+def test_policy_training_prompts_never_meet_the_benchmarks(monkeypatch):
+    from adaptree.data import prompts as P
+    from adaptree.data.splits import HUMANEVAL_EVAL, policy_training_prompts
+
+    he = [Prompt("humaneval", f"HumanEval/{i}", (f"def f{i}(): pass  # problem {i}",)) for i in range(164)]
+    mt = [Prompt("mt_bench", str(i), (f"mt question {i}", "second")) for i in range(80)]
+    chat = [Prompt("d", f"id{i}", (f"a chat question long enough, number {i}",)) for i in range(400)]
+    chat += [Prompt("sharegpt", "dup", (mt[3].turns[0] + " " * 30,)), Prompt("sharegpt", "he", (he[5].turns[0],))]
+    monkeypatch.setattr(P, "humaneval", lambda: he)
+    monkeypatch.setattr(P, "mt_bench", lambda: mt)
+    monkeypatch.setattr(P, "sharegpt", lambda: chat)
+    out = policy_training_prompts(10, 30)
+    code = [p for p in out if p.dataset == "humaneval"]
+    assert [p.id for p in code] == [f"HumanEval/{i}" for i in range(HUMANEVAL_EVAL, HUMANEVAL_EVAL + 10)]
+    texts = {" ".join(p.turns[0].split()) for p in out}
+    assert not texts & {p.turns[0] for p in mt + he[:HUMANEVAL_EVAL]}
+    assert not {p.id for p in out} & {"dup", "he"}  # ShareGPT copies of benchmark prompts are dropped
+    assert len(out) == 40 and [p.dataset for p in out[:4]] == ["humaneval", "d", "humaneval", "d"]
+    assert out == policy_training_prompts(10, 30)  # deterministic
+    with pytest.raises(ValueError, match="n_code must be in 0..82"):
+        policy_training_prompts(83, 0)
+    with pytest.raises(ValueError, match="only .* ShareGPT training prompts"):
+        policy_training_prompts(0, 10_000)

@@ -113,3 +113,23 @@ def test_cli_bench_end_to_end_float32(tmp_path):
     assert rerun.returncode == 0 and (out / "results.jsonl").read_text().splitlines() == lines
     bad = subprocess.run(cmd[:-2] + ["--dtype", "bfloat16", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "dtype='float32'" in bad.stderr
+
+
+def test_shipped_policies_load_and_are_lossless(smollm2):
+    """Every learned or tuned method shipped next to the default head loads without flags and leaves the
+    fp32 greedy output identical to AR; the learned controllers actually shape the tree."""
+    from adaptree.controllers import LEARNED, make_controller
+    from adaptree.models.registry import shipped_head
+
+    folder = shipped_head()
+    if folder is None:
+        pytest.skip("no head shipped for the default model")
+    target, tok = smollm2
+    head = Eagle3Head.from_pretrained(folder, target=target).eval()
+    eng = Engine(target, head, eos_token_ids=tok.eos_token_ids)
+    ids = tok.apply_chat([{"role": "user", "content": "Write a Python function that checks for palindromes."}])
+    ar = eng.generate(ids, None, max_new_tokens=32)
+    for method in ("static-gs", *LEARNED):
+        res = eng.generate(ids, make_controller(method), max_new_tokens=32)
+        assert res.token_ids == ar.token_ids, method
+        assert res.tau > 1.0 and all(c.depth >= 1 for c in res.cycles), method

@@ -84,6 +84,21 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="radar: stop drafting iff P(stop) >= this (default 0.5 = argmax)")
     p.add_argument("--radar-stochastic", action="store_true", default=None,
                    help="radar: sample the stop/continue decision (the paper's code) instead of thresholding")
+    p.add_argument("--ltd-depth-policy", default=None,
+                   help="ltd, ltd-depth: depth policy folder of `adaptree train ltd` (default: ltd/depth/ shipped "
+                        "next to the model's head)")
+    p.add_argument("--ltd-size-policy", default=None,
+                   help="ltd, ltd-size: size policy folder (default: ltd/size/ shipped next to the model's head)")
+    p.add_argument("--resps-policy", default=None,
+                   help="resps: policy folder of `adaptree train resps` (default: resps/ shipped next to the model's "
+                        "head)")
+    p.add_argument("--resps-interval", type=int, default=None,
+                   help="resps: cache interval N, cycles a chosen (TT, d, k) is kept (default 30, the paper's)")
+    p.add_argument("--resps-state", choices=("concat", "mean"), default=None,
+                   help="resps: state the policy was trained on, checked (default: the policy's)")
+    p.add_argument("--resps-temperature", type=float, default=None,
+                   help="resps: 0 = argmax, > 0 samples the action at this temperature (max-entropy: 1.5; default: "
+                        "the policy's recorded inference temperature)")
 
 
 def load_models(args):
@@ -112,7 +127,7 @@ def build_controller(args, head):
     if method == "ar":
         return make_controller("ar")
     # Flags only when given / present, so each method keeps its own defaults (depth: static 8, deagle 12, ...).
-    flags = {} if method == "static-gs" else {"width": "width", "depth": "depth", "size": "size"}
+    flags = {} if method in ("static-gs", "resps") else {"width": "width", "depth": "depth", "size": "size"}
     flags.update({
         "static-gs": {"tuned": "tuned"},
         "deagle": {"tau_s": "deagle_tau_s", "tau_rho": "deagle_tau_rho", "votes": "deagle_votes",
@@ -121,6 +136,11 @@ def build_controller(args, head):
         "svip": {"entropy_factor": "svip_entropy_factor", "min_entropy": "svip_min_entropy"},
         "gammatune": {"rate": "gammatune_rate"},
         "radar": {"policy": "radar_policy", "threshold": "radar_threshold", "stochastic": "radar_stochastic"},
+        "ltd": {"depth_policy": "ltd_depth_policy", "size_policy": "ltd_size_policy"},
+        "ltd-depth": {"depth_policy": "ltd_depth_policy"},
+        "ltd-size": {"size_policy": "ltd_size_policy"},
+        "resps": {"policy": "resps_policy", "interval": "resps_interval", "state": "resps_state",
+                  "temperature": "resps_temperature"},
     }.get(method, {}))
     opts = {field: getattr(args, attr) for field, attr in flags.items() if getattr(args, attr, None) is not None}
     if method == "radar" and "policy" not in opts:  # the policy shipped next to the head in use, if any
@@ -128,6 +148,18 @@ def build_controller(args, head):
 
         found = default_policy_path(getattr(args, "draft_path", None)) or default_policy_path()
         opts["policy"] = str(found) if found else None
+    if method == "resps" and "policy" not in opts:  # the policy shipped next to the head in use, if any
+        from .controllers.resps import shipped_policy as resps_shipped
+
+        found = resps_shipped(getattr(args, "draft_path", None)) or resps_shipped()
+        opts["policy"] = str(found) if found else None
+    if method.startswith("ltd"):  # the policies shipped next to the head in use, if any
+        from .controllers.ltd import shipped_policy
+
+        for kind in ("depth", "size"):
+            if f"{kind}_policy" in flags and f"{kind}_policy" not in opts:
+                found = shipped_policy(kind, getattr(args, "draft_path", None)) or shipped_policy(kind)
+                opts[f"{kind}_policy"] = str(found) if found else None
     if method == "deagle" and "votes" in opts:
         opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
         opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
@@ -194,7 +226,8 @@ def cmd_bench(args) -> int:
                       limit=args.limit, turns=args.turns, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                       repeats=args.repeats, reference=args.reference or None,
-                      assistant_model=args.assistant_model, warmup=args.warmup, out=args.out)
+                      assistant_model=args.assistant_model, warmup=args.warmup, out=args.out,
+                      oracle_latency=args.oracle_latency)
     args.command_line = "adaptree " + " ".join(sys.argv[1:])
     run_bench(cfg, args)
     return 0
@@ -319,12 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(b)
     add_method_args(b)
     b.set_defaults(method=None)
-    b.add_argument("--methods", default="ar,static",
+    from .bench.runner import MAIN_JOB_METHODS
+
+    b.add_argument("--methods", default=",".join(MAIN_JOB_METHODS),
                    help="comma-separated arms, must include ar: engine methods (" + ", ".join(METHODS) +
                         ") and Hugging Face references (hf_generate, hf_prompt_lookup, hf_assisted)")
     b.add_argument("--datasets", default="mt_bench,humaneval", help="comma-separated: mt_bench, humaneval, sharegpt")
     b.add_argument("--question-file", default=None, help="an EAGLE-format question.jsonl, benchmarked too")
-    b.add_argument("--limit", type=_positive_int, default=4, help="prompts per dataset (default 4)")
+    b.add_argument("--limit", type=_positive_int, default=3, help="prompts per dataset (default 3)")
     b.add_argument("--turns", type=_positive_int, default=None,
                    help="turns per conversation (MT-bench has 2; default all, MT-bench protocol)")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128, help="per turn (default 128)")
@@ -341,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one short untimed generation per arm first (default on)")
     b.add_argument("--out", default="runs/bench",
                    help="results folder: results.jsonl (resumed if present), summary.json, report.md, plots")
+    from .bench.oracle_section import add_bench_args
+
+    add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", help="rebuild summary.json, report.md and the plots of a bench folder")
@@ -363,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .rl.radar_cli import add_radar_parser
 
     add_radar_parser(sub)
+    from .rl.train_cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

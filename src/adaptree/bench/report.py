@@ -141,6 +141,10 @@ def print_table(summary: dict) -> None:
           f"speedup = AR time / method time; p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
+    if summary.get("oracle"):
+        from .oracle_section import print_section
+
+        print_section(summary["oracle"])
 
 
 def write_report(summary: dict, out: Path) -> None:
@@ -185,6 +189,10 @@ def write_report(summary: dict, out: Path) -> None:
             if e["cycles"]:
                 lines.append(f"| {ds} | {name} | " + " | ".join(
                     _fmt(1000 * sp[k] / tok) for k in (*SPLIT_KEYS, "prefill_s")) + " |")
+    if summary.get("oracle"):
+        from .oracle_section import report_lines
+
+        lines += [""] + report_lines(summary["oracle"])
     if summary.get("skipped"):
         lines += ["", "## Skipped runs", ""] + [f"- {x['dataset']} {x['prompt_id']} turn {x['turn']} "
                                                    f"{x['method']}: {x['skipped']}" for x in summary["skipped"]]

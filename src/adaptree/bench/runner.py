@@ -33,17 +33,22 @@ _RUN_KEYS = ("model", "dtype", "draft_sha256", "model_sha256", "max_new_tokens",
              "seed", "threads")
 
 
+MAIN_JOB_METHODS = ("ar", "static", "static-gs", "deagle", "ltd", "radar")
+"""``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the tuned static tree, the training-free
+DEAGLE and the shipped LTD and RADAR policies (about 10 minutes on 2 cores with the default limit)."""
+
+
 @dataclass
 class BenchConfig:
     """What to run. Defaults: the README's main job (default model, small MT-bench + HumanEval subset)."""
 
-    methods: list[str] = field(default_factory=lambda: ["ar", "static"])
+    methods: list[str] = field(default_factory=lambda: list(MAIN_JOB_METHODS))
     """Arms: engine methods (ar, static, ...) and Hugging Face references (hf_generate, hf_prompt_lookup,
     hf_assisted). Must include ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
-    limit: int = 4
+    limit: int = 3
     """Prompts per dataset (the first ``limit`` of each)."""
     turns: int | None = None
     """Turns per conversation (MT-bench has two); None = all of them, 1 = first turns only."""
@@ -61,6 +66,10 @@ class BenchConfig:
     """Draft model of ``hf_assisted`` (default: the registered smaller sibling, e.g. 0.5B for 1.5B)."""
     warmup: bool = True
     out: str = "runs/bench"
+    oracle_latency: str | None = None
+    """Latency model JSON: after a greedy bench, record traces of the first turns and report the oracle's and
+    the best static tree's modelled speedup and each method's fraction of the oracle gain
+    (:mod:`adaptree.bench.oracle_section`)."""
 
     def __post_init__(self) -> None:
         from ..controllers import METHODS
@@ -89,6 +98,9 @@ class BenchConfig:
         SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates them
         if self.reference is not None and self.reference not in self.methods:
             self.reference = None
+        if self.oracle_latency and self.temperature != 0.0:
+            raise ValueError(f"--oracle-latency needs greedy decoding (the traces are greedy), got temperature "
+                             f"{self.temperature}")
 
     def sampling(self, repeat: int) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k, seed=self.seed + repeat)
@@ -200,6 +212,10 @@ def run_bench(cfg: BenchConfig, args) -> dict:
 
     out = check_out_dir(cfg.out)
     sets = _load_prompts(cfg)  # bad dataset files fail before the models load
+    if cfg.oracle_latency:
+        from ..rl.latency import load_checked
+
+        load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
     target, tok, head = load_models(args)
     if any(m not in HF_METHODS and m != "ar" for m in cfg.methods) and head is None:
         raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
@@ -219,6 +235,8 @@ def run_bench(cfg: BenchConfig, args) -> dict:
         return tok.encode("\n\n".join(m["content"] for m in messages))
 
     rows = bench_loop(cfg, arms, encode, tok.decode, sets, max_len=engine.max_len)
+    if cfg.oracle_latency:
+        run_oracle(cfg, args, out, target, tok, head, sets, encode, engine.max_len)
     summary = finish(cfg, rows, out, settings, getattr(args, "command_line", None), machine)
     print_table(summary)
     write_report(summary, out)
@@ -226,14 +244,38 @@ def run_bench(cfg: BenchConfig, args) -> dict:
     return summary
 
 
+def run_oracle(cfg: BenchConfig, args, out: Path, target, tok, head, sets, encode, max_len: int) -> dict:
+    """Traces of the bench's first turns (resumable) and the modelled oracle section (``oracle_modelled.json``)."""
+    import argparse
+
+    from ..cli import build_controller
+    from . import oracle_section as osec
+
+    engine_methods = [m for m in cfg.methods if m not in HF_METHODS]
+    max_depth = max(12, getattr(args, "depth", None) or 0)
+    settings = osec.trace_settings(cfg, tok.eos_token_ids, getattr(args, "max_seq_len", None),
+                                   widths=(getattr(args, "width", None) or 10,), max_depth=max_depth)
+    prompts = osec.first_turn_prompts(sets, encode, max_len)
+    store = osec.record_traces(out, target, head, settings, prompts)
+    factories = {m: (lambda ns=argparse.Namespace(**{**vars(args), "method": m}): build_controller(ns, head))
+                 for m in engine_methods}
+    return osec.modelled(out, store, prompts, cfg.oracle_latency, factories, progress=True)
+
+
 def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, command: str | None,
            machine: dict | None) -> dict:
-    """Write ``summary.json`` (metrics, configuration, settings with checksums, machine, command)."""
+    """Write ``summary.json`` (metrics, configuration, settings with checksums, machine, command; with
+    ``oracle_latency``, the oracle section of :mod:`adaptree.bench.oracle_section`)."""
     from .machine import machine_info
+    from .oracle_section import merge
     from .report import summarize
 
     summary = _json_safe(summarize(rows, cfg))
     summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(), command=command)
+    if cfg.oracle_latency:
+        section = merge(Path(out), rows, cfg.methods)
+        if section is not None:
+            summary["oracle"] = _json_safe(section)
     (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     return summary
 

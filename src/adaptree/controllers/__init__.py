@@ -4,7 +4,9 @@ from .base import Controller, CycleContext, TreePlan
 from .ddd import DDDConfig, DDDController
 from .deagle import DeagleConfig, DeagleController
 from .gammatune import GammatuneConfig, GammatuneController
+from .ltd import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
 from .radar import RadarConfig, RadarController
+from .resps import ReSpSConfig, ReSpSController
 from .static import AutoregressiveController, StaticConfig, StaticController
 from .static_gs import StaticGSConfig, StaticGSController
 from .svip import SVIPConfig, SVIPController
@@ -12,11 +14,15 @@ from .svip import SVIPConfig, SVIPController
 __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController", "StaticConfig",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
-           "RadarConfig", "RadarController",
-           "make_controller", "METHODS",
+           "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
+           "ReSpSConfig", "ReSpSController", "make_controller", "METHODS", "LEARNED",
            "CONFIGS"]
 
-METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune", "radar")
+METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune", "radar", "ltd", "ltd-depth", "ltd-size",
+           "resps")
+
+LEARNED = ("radar", "ltd", "ltd-depth", "ltd-size", "resps")
+"""Methods that run a trained policy (shipped next to the model's head, or given as a folder)."""
 
 CONFIGS = {
     "static": (StaticConfig, StaticController),
@@ -26,6 +32,10 @@ CONFIGS = {
     "svip": (SVIPConfig, SVIPController),
     "gammatune": (GammatuneConfig, GammatuneController),
     "radar": (RadarConfig, RadarController),
+    "ltd": (LTDConfig, LTDController),
+    "ltd-depth": (LTDDepthConfig, LTDController),
+    "ltd-size": (LTDSizeConfig, LTDController),
+    "resps": (ReSpSConfig, ReSpSController),
 }
 """Method name -> (config dataclass, controller class) for every configurable method."""
 

@@ -118,3 +118,32 @@ def drop_overlap(items: Iterable[T], against: Iterable[Any], key: KeySpec = "tex
     ``against``; e.g. training prompts minus the evaluation benchmark's prompts."""
     banned = {prompt_key(a, key) for a in against}
     return [item for item in items if prompt_key(item, key) not in banned]
+
+
+HUMANEVAL_EVAL = 82
+"""Benchmarks take HumanEval's first ``--limit`` problems (80 per dataset in the papers); policies train on
+problems from index 82 on, so no benchmark of at most 82 problems ever sees a training prompt."""
+
+
+def policy_training_prompts(n_code: int, n_chat: int, seed: int = 0, max_chars: int = 2000) -> list[Prompt]:
+    """Training prompts for the learned controllers (LTD, Re-SpS, RADAR): ``n_code`` HumanEval problems taken
+    from index :data:`HUMANEVAL_EVAL` on (LTD trains on HumanEval) and ``n_chat`` ShareGPT first turns of the
+    ``train`` split (Re-SpS and RADAR train on ShareGPT), minus anything whose text is an MT-bench or
+    HumanEval prompt, 20..``max_chars`` characters; interleaved code/chat. Never an evaluation prompt."""
+    from .prompts import humaneval, mt_bench, sharegpt
+
+    he = humaneval()
+    if not 0 <= n_code <= len(he) - HUMANEVAL_EVAL:
+        raise ValueError(f"n_code must be in 0..{len(he) - HUMANEVAL_EVAL} (HumanEval problems {HUMANEVAL_EVAL}.. "
+                         f"are for training), got {n_code}")
+    if n_chat < 0:
+        raise ValueError(f"n_chat must be >= 0, got {n_chat}")
+    code = he[HUMANEVAL_EVAL:HUMANEVAL_EVAL + n_code]
+    chat = []
+    if n_chat:
+        train = split_ids(sharegpt(), seed=seed)["train"]
+        chat = [p for p in drop_overlap(train, mt_bench() + he) if 20 <= len(p.turns[0]) <= max_chars][:n_chat]
+        if len(chat) < n_chat:
+            raise ValueError(f"only {len(chat)} ShareGPT training prompts available, {n_chat} asked")
+    out = [x for pair in zip(code, chat) for x in pair]
+    return out + code[len(chat):] + chat[len(code):]

@@ -6,25 +6,9 @@ import argparse
 import json
 
 
-def training_prompts(limit: int, seed: int = 0, min_chars: int = 20, max_chars: int = 4000):
-    """ShareGPT prompts of the ``train`` split (:func:`adaptree.data.splits.split_ids`), minus any whose
-    first turn is an MT-bench or HumanEval prompt (when those packages are installed)."""
-    from ..data.prompts import humaneval, load_dataset, mt_bench
-    from ..data.splits import drop_overlap, split_ids
-
-    train = split_ids(load_dataset("sharegpt"), seed=seed)["train"]
-    evals = []
-    for loader in (mt_bench, humaneval):
-        try:
-            evals += loader()
-        except FileNotFoundError:  # not installed: nothing of it can leak into training
-            pass
-    train = drop_overlap(train, evals)
-    return [p for p in train if min_chars <= len(p.turns[0]) <= max_chars][:limit]
-
-
 def cmd_radar_dataset(args) -> int:
     from ..cli import encode_prompt, load_models
+    from ..data.splits import policy_training_prompts
     from ..engine import Engine
     from .cli import tokenizer_digest
     from .radar_data import RadarDataSettings, RadarStore
@@ -42,7 +26,7 @@ def cmd_radar_dataset(args) -> int:
                                         ("split_seed", str(args.split_seed))))
     store = RadarStore(args.out, {"model": model_fingerprint(target), "head": head_fingerprint(head)}, settings)
     prompts = []
-    for p in training_prompts(args.limit, args.split_seed):
+    for p in policy_training_prompts(0, args.limit, args.split_seed, max_chars=4000):
         ids = encode_prompt(tok, p.turns[0], chat)
         if len(ids) <= args.max_prompt_tokens:
             prompts.append((f"{p.dataset}/{p.id}", ids))
@@ -56,6 +40,10 @@ def cmd_radar_dataset(args) -> int:
 def cmd_radar_train(args) -> int:
     from .radar_train import RadarTrainConfig, measure_policy_seconds, train_radar
 
+    if args.latency:
+        from .latency import load_checked
+
+        load_checked(args.latency)  # warns when it was measured on another machine
     t_policy = args.t_policy
     if t_policy is None:
         t_policy = measure_policy_seconds(hidden=args.hidden) if args.measure_policy else 0.0
@@ -84,20 +72,15 @@ def add_radar_parser(sub) -> None:
     """Register ``radar dataset`` and ``radar train`` on the main parser's subcommands."""
     from ..cli import _positive_int, add_model_args
     from .radar_data import RadarDataSettings
-    from .radar_train import RadarTrainConfig
 
-    d, t = RadarDataSettings(), RadarTrainConfig(t_fixed=0.0, t_draft=1.0)
+    d = RadarDataSettings()
     r = sub.add_parser("radar", help="RADAR: record acceptance-length distributions, train the LSTM stop policy")
     rsub = r.add_subparsers(dest="radar_command", required=True)
 
     ds = rsub.add_parser("dataset", help="run the engine at T=1 over ShareGPT training prompts and record, per cycle, "
                                          "the beam scores and the exact accepted-length distribution of every stop "
                                          "point (resumes: prompts already in --out are skipped)")
-    add_model_args(ds)
-    for action in ds._actions:  # float32 by default: the distributions are numbers, not just tokens
-        if action.dest == "dtype":
-            action.default = "float32"
-            action.help = (action.help or "").replace("(default: bfloat16)", "(default here: float32)")
+    add_model_args(ds)  # bfloat16 by default, like bench: the scores the policy sees are the deployed ones
     ds.add_argument("--limit", type=_positive_int, default=200, help="ShareGPT training prompts (default 200)")
     ds.add_argument("--split-seed", type=int, default=0, help="seed of the train/validation/eval split of ShareGPT")
     ds.add_argument("--max-prompt-tokens", type=_positive_int, default=1024, help="skip longer prompts")
@@ -116,7 +99,18 @@ def add_radar_parser(sub) -> None:
     ds.add_argument("--quiet", action="store_true", help="no progress bar")
     ds.set_defaults(func=cmd_radar_dataset)
 
-    tr = rsub.add_parser("train", help="REINFORCE over recorded distributions, a grid over alpha, the best exported")
+    add_radar_train_args(rsub.add_parser("train", help=RADAR_TRAIN_HELP))
+
+
+RADAR_TRAIN_HELP = "REINFORCE over recorded distributions, a grid over alpha, the best exported"
+
+
+def add_radar_train_args(tr) -> None:
+    """The arguments of ``radar train`` (also registered as ``train radar``)."""
+    from ..cli import _positive_int
+    from .radar_train import RadarTrainConfig
+
+    t = RadarTrainConfig(t_fixed=0.0, t_draft=1.0)
     tr.add_argument("--data", default=t.data, help=f"a folder of `adaptree radar dataset` (default {t.data})")
     tr.add_argument("--out", default=t.out, help=f"run folder (default {t.out}); the chosen policy goes to OUT/policy")
     tr.add_argument("--alphas", default=",".join(f"{a:g}" for a in t.alphas),
