@@ -388,6 +388,10 @@ def test_simulate_cli(tmp_path, models, capsys):
     sim = simulate(StaticController(StaticConfig(4, 5, 12)), TraceStore(tmp_path).load_all())
     assert out["tau"] == sim.tau and out["cycles"] == sim.cycles and out["prompts"] == 2
     assert out["modelled_speedup"] > 0
+    assert out["replay_s"] > 0 and out["modelled_over_replay"] == pytest.approx(out["modelled_s"] / out["replay_s"])
+    assert main(["simulate", "--traces", str(tmp_path), "--method", "static", "-W", "4", "-D", "5", "-V", "12",
+                 "--latency", str(tmp_path / "lat.json")]) == 0
+    assert "faster than the generation it models" in capsys.readouterr().out
     assert main(["simulate", "--traces", str(tmp_path), "--method", "static", "-W", "9"]) == 2  # width not recorded
 
 
