@@ -35,6 +35,9 @@ LATENCIES = {
     "cpu": LatencyModel([2e-3, 1e-4, 1e-6, 1e-8], [8e-3, 2e-4, 2e-6, 1e-8], other_s=5e-4),
     "gpu": LatencyModel([4e-3, 1e-6, 1e-7, 0.0], [1e-2, 1e-6, 1e-6, 1e-10], other_s=1e-4),
     "slow_draft": LatencyModel([9e-3, 2e-4, 0.0, 0.0], [5e-3, 5e-4, 1e-6, 0.0], other_s=2e-3),
+    # what `adaptree calibrate` fits on a CPU: verification piecewise linear in N = V + 1 (a jump from 1 to 2 rows)
+    "cpu_knots": LatencyModel([2e-3, 1e-4, 1e-6, 1e-8], [8e-3, 2e-6, 1.4e-2, 2e-6, 1.5e-2, 2.5e-6, 2e-2, 4e-6,
+                                                          6e-2, 1e-5], other_s=5e-4, verify_knots=[1, 2, 5, 17, 61]),
 }
 
 

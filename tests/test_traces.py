@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -373,6 +374,52 @@ def test_calibrate_runs_on_tiny_models(models):
     lat = calibrate(target, head, widths=(2, 4, 8), sizes=(0, 8, 16), lengths=(8, 32), repeats=1)
     assert len(lat.meta["draft_samples"]) == 6 and len(lat.meta["verify_samples"]) == 6
     assert lat.verify_time(8, 32) > 0 and lat.draft_step(4, 32) > 0
+    assert lat.verify_knots == [1, 9, 17]  # a knot per timed size (N = V + 1)
+    assert np.all(np.diff(lat.verify_times(np.arange(40), 20)) >= -1e-15)  # made non-decreasing in V
+    bil = calibrate(target, head, widths=(2, 4), sizes=(0, 8), lengths=(8, 32), repeats=1, knots=False)
+    assert bil.verify_knots is None and len(bil.verify) == 4
+
+
+# Verification cost of a CPU-like machine: a step from 1 to 2 rows, then a gentle slope; linear in L per knot.
+KNOTS = [1, 2, 5, 17, 61, 241]
+KNOT_AT = {1: (0.040, 2e-5), 2: (0.060, 2e-5), 5: (0.064, 2.2e-5), 17: (0.080, 3e-5), 61: (0.150, 6e-5),
+           241: (0.400, 2e-4)}
+
+
+def knot_truth(n, L):
+    """Independent piecewise-linear reference: interpolate the knot lines in N (extrapolate past the ends)."""
+    i = min(len(KNOTS) - 2, max(0, bisect.bisect_right(KNOTS, n) - 1))
+    a, b = KNOTS[i], KNOTS[i + 1]
+    ya, yb = KNOT_AT[a][0] + KNOT_AT[a][1] * L, KNOT_AT[b][0] + KNOT_AT[b][1] * L
+    return max(0.0, ya + (n - a) / (b - a) * (yb - ya))
+
+
+def test_knot_latency_model_fits_interpolates_and_round_trips(tmp_path):
+    d = [(w, L, 1e-3 + 1e-4 * w) for w in (2, 8) for L in (10, 500)]
+    v = [(n - 1, L, knot_truth(n, L)) for n in KNOTS for L in (10, 200, 900)]
+    fit = LatencyModel.fit(d, v, other_s=1e-4, knots=True)
+    assert fit.verify_knots == KNOTS
+    for n in [1, 2, 3, 4, 5, 9, 17, 30, 61, 100, 241, 300]:  # knots, between them and past the last one
+        for L in (0, 37, 500, 1500):
+            assert math.isclose(fit.verify_time(n - 1, L), knot_truth(n, L), rel_tol=1e-9), (n, L)
+    grid = fit.verify_times(np.arange(300)[None, :], np.array([[5.0], [800.0]]))
+    assert grid.shape == (2, 300) and np.allclose(grid[1, 7], fit.verify_time(7, 800))
+    fit.save(tmp_path / "k.json")
+    back = LatencyModel.load(tmp_path / "k.json")
+    assert back == fit and back.verify_time(3, 100) == fit.verify_time(3, 100)
+    assert "N=5: 64.00" in back.describe()[1]
+    # a timing dip (noise) is pooled away: a larger tree never costs less than a smaller one
+    noisy = [(s, L, t * (0.7 if s == 4 else 1.0)) for s, L, t in v]
+    mono = LatencyModel.fit(d, noisy, knots=True)
+    for L in (10, 200, 900):
+        assert np.all(np.diff(mono.verify_times(np.arange(300), L)) >= -1e-15)
+    assert mono.verify_time(1, 200) == pytest.approx(mono.verify_time(4, 200))  # N=2 and N=5 pooled
+    with pytest.raises(ValueError, match="increasing row counts"):
+        LatencyModel([0, 0, 0, 0], [0, 0, 0, 0], verify_knots=[2, 2])
+    with pytest.raises(ValueError, match="2 coefficients .* per knot"):
+        LatencyModel([0, 0, 0, 0], [0, 0, 0], verify_knots=[1, 2])
+    with pytest.raises(ValueError, match="V=4 was timed at fewer than 2 context lengths"):
+        LatencyModel.fit(d, [x for x in v if not (x[0] == 4 and x[1] != 10)], knots=True)
 
 
 def test_simulate_cli(tmp_path, models, capsys):

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from .latency import LatencyModel, calibrate
+from .latency import CALIBRATION_SIZES, LatencyModel, calibrate
 
 DEFAULT_VALIDATION = ((10, 0, 0), (10, 8, 60), (10, 4, 16), (4, 3, 4), (16, 6, 120), (8, 12, 240))
 """(W, D, V) shapes run live for validation; D = 0 is an AR step (the engine's zero-depth plan)."""
@@ -61,8 +61,12 @@ class CalibrationConfig:
 
     widths: tuple[int, ...] = (4, 8, 10, 16)
     """Draft widths W micro-benchmarked."""
-    sizes: tuple[int, ...] = (0, 16, 32, 60, 120, 240)
-    """Verification sizes V micro-benchmarked (the target forward has V + 1 rows)."""
+    sizes: tuple[int, ...] = CALIBRATION_SIZES
+    """Verification sizes V micro-benchmarked (the target forward has V + 1 rows); each is a knot of the
+    piecewise-linear verification model."""
+    verify_model: str = "knots"
+    """knots: verification time piecewise linear in V + 1 (a knot per size), linear in L at each; bilinear:
+    b0 + b1*N + b2*L + b3*N*L (the live refit candidate is always bilinear)."""
     lengths: tuple[int, ...] = (64, 256, 512, 1024)
     """Context lengths L the caches are filled to (those past the context limit are skipped)."""
     repeats: int = 5
@@ -86,8 +90,8 @@ class CalibrationConfig:
             vals = tuple(int(x) for x in getattr(self, name))
             if not vals or any(x < low for x in vals):
                 raise ValueError(f"{name} must be integers >= {low}, got {list(getattr(self, name))}")
-            if len(set(vals)) < 2:  # a bilinear fit needs two values of each variable
-                raise ValueError(f"{name} needs at least two distinct values to fit the bilinear model, "
+            if len(set(vals)) < 2:  # either fit needs two values of each variable
+                raise ValueError(f"{name} needs at least two distinct values to fit the latency model, "
                                  f"got {list(vals)}")
             setattr(self, name, vals)
         if self.repeats < 1:
@@ -100,6 +104,8 @@ class CalibrationConfig:
                 raise ValueError(f"validation shape W={w} D={d} V={v} is invalid (W in 1..{MAX_WIDTH}, D in "
                                  f"0..{MAX_DEPTH}, V >= 1 unless D = 0 for AR)")
         self.shapes = shapes
+        if self.verify_model not in ("knots", "bilinear"):
+            raise ValueError(f"verify_model must be knots or bilinear, got {self.verify_model!r}")
         if self.refit not in REFIT:
             raise ValueError(f"refit must be one of {', '.join(REFIT)}, got {self.refit!r}")
         if not 0 < self.goal < 1:
@@ -202,7 +208,7 @@ def validate_models(micro: LatencyModel, records: Sequence[dict], refit: str = "
     Returns (chosen, micro with other_s, live or None, validation summary)."""
     fit, held, held_out = split_records(records)
     other = statistics.median(r["other_s"] for r in fit) if fit else 0.0
-    micro = LatencyModel(list(micro.draft), list(micro.verify), float(other), dict(micro.meta))
+    micro = replace(micro, other_s=float(other), meta=dict(micro.meta))
     live, live_error = None, None
     try:
         live = LatencyModel.fit_records(fit, meta={})
@@ -234,7 +240,7 @@ def run_calibration(target, head, engine, prompts: Sequence[Sequence[int]], cfg:
                     progress: bool = False) -> CalibrationResult:
     """Micro-benchmarks, then (when ``cfg.shapes`` and prompts are given) live validation and the choice."""
     micro = calibrate(target, head, widths=cfg.widths, sizes=cfg.sizes, lengths=cfg.lengths, repeats=cfg.repeats,
-                      progress=progress)
+                      progress=progress, knots=cfg.verify_model == "knots")
     if not cfg.shapes or not prompts:
         micro.meta["source"] = "micro"
         micro.meta["validation"] = None
@@ -243,7 +249,7 @@ def run_calibration(target, head, engine, prompts: Sequence[Sequence[int]], cfg:
     if not records:
         raise ValueError("the validation generations ran no cycle (every prompt stopped at its first token)")
     chosen, micro_o, live, summary = validate_models(micro, records, cfg.refit, cfg.goal)
-    model = LatencyModel(list(chosen.draft), list(chosen.verify), chosen.other_s, dict(micro.meta))
+    model = replace(chosen, meta=dict(micro.meta))
     model.meta["source"] = summary["chosen"]
     model.meta["validation"] = summary
     return CalibrationResult(model, micro_o, live, records, summary)

@@ -125,7 +125,7 @@ def cmd_calibrate(args) -> int:
     shapes = parse_shapes(args.validate) if args.validate.strip() else ()
     cfg = CalibrationConfig(widths=args.widths, sizes=args.sizes, lengths=args.lengths, repeats=args.repeats,
                             shapes=shapes, max_new_tokens=args.max_new_tokens, refit=args.refit, goal=args.goal,
-                            warmup=args.warmup)
+                            warmup=args.warmup, verify_model=args.verify_model)
     out = _writable_file(args.out)
     sets = _prompt_sets(args) if shapes else []  # bad dataset files fail before the models load
     target, tok, head = load_models(args)
@@ -150,12 +150,7 @@ def cmd_calibrate(args) -> int:
                 config=config_dict(cfg), prompts=len(prompts), command=" ".join(["adaptree", *sys.argv[1:]]))
     res.model.save(out)
     print(format_validation(res.validation))
-    m = res.model
-    print(f"draft step  = {m.draft[0] * 1e3:.3f} + {m.draft[1] * 1e3:.4f}*W + {m.draft[2] * 1e3:.6f}*L "
-          f"+ {m.draft[3] * 1e3:.8f}*W*L ms")
-    print(f"verify      = {m.verify[0] * 1e3:.3f} + {m.verify[1] * 1e3:.4f}*N + {m.verify[2] * 1e3:.6f}*L "
-          f"+ {m.verify[3] * 1e3:.8f}*N*L ms  (N = V + 1)")
-    print(f"other_s     = {m.other_s * 1e3:.3f} ms per cycle")
+    print("\n".join(res.model.describe()))
     written = [str(out)]
     if res.records:
         vpath = out.with_name(out.stem + ".validation.json")
@@ -299,7 +294,9 @@ def add_traces_parser(sub) -> None:
     add_model_args(c)
     c.add_argument("--widths", type=_int_list, default=cd.widths, help="draft widths W timed (default 4,8,10,16)")
     c.add_argument("--sizes", type=_int_list, default=cd.sizes,
-                   help="verification sizes V timed (default 0,16,32,60,120,240)")
+                   help="verification sizes V timed (default " + ",".join(map(str, cd.sizes)) + ")")
+    c.add_argument("--verify-model", choices=("knots", "bilinear"), default=cd.verify_model,
+                   help="verification time piecewise linear in V (a knot per --sizes value; default) or bilinear")
     c.add_argument("--lengths", type=_int_list, default=cd.lengths,
                    help="context lengths L timed (default 64,256,512,1024; those past the context limit skipped)")
     c.add_argument("--repeats", type=_positive_int, default=cd.repeats, help="timed runs per shape, median kept")

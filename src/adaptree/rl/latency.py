@@ -1,9 +1,15 @@
 """A calibrated latency model of the draft-and-verify cycle, for the simulator.
 
-Two bilinear fits, one per kind of forward, plus a constant per-cycle overhead::
+Two fits, one per kind of forward, plus a constant per-cycle overhead::
 
     draft step (one head forward over W beam nodes at context L):  a0 + a1*W + a2*L + a3*W*L
     verification (one target forward over V+1 nodes at context L): b0 + b1*N + b2*L + b3*N*L,  N = V + 1
+
+or, with ``verify_knots`` (what :func:`calibrate` fits), a verification time that is linear in L at each
+knot N_k and interpolated linearly in N between knots (extrapolated from the last two past the last one).
+On a CPU the cost of a forward is far from linear in its row count at small N (matrix-vector vs blocked
+matrix-matrix kernels: a 5-row forward costs much more than 5/61 of the way from 1 row to 61), which is
+exactly where the fastest trees live; the knots follow that curve, the bilinear form cannot.
 
 A cycle of depth d costs ``d`` draft steps, one verification and ``other_s``. Parameters are plain
 JSON (:meth:`LatencyModel.save` / :meth:`LatencyModel.load`). :func:`calibrate` micro-benchmarks the
@@ -31,6 +37,9 @@ import torch
 
 FEATURES = ("1", "x", "L", "x*L")
 
+CALIBRATION_SIZES = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 60, 120, 240)
+"""Verification sizes V timed by :func:`calibrate`: dense where CPU trees live (the knots of the model)."""
+
 
 def _design(x: np.ndarray, L: np.ndarray) -> np.ndarray:
     x, L = np.asarray(x, np.float64), np.asarray(L, np.float64)
@@ -49,24 +58,66 @@ class LatencyModel:
     """Per-cycle overhead outside drafting and verification (acceptance, cache compaction)."""
     meta: dict = field(default_factory=dict)
     """Where it was measured (device, dtype, model digests...); informational."""
+    verify_knots: list[int] | None = None
+    """Row counts N_1 < N_2 < ... (N = V + 1 >= 1) of the piecewise-linear verification model; ``verify`` then
+    holds (intercept, slope in L) per knot, 2K coefficients. None: the bilinear form."""
 
     def __post_init__(self) -> None:
-        for name in ("draft", "verify"):
-            v = [float(c) for c in getattr(self, name)]
-            if len(v) != 4:
-                raise ValueError(f"LatencyModel.{name} needs 4 coefficients {FEATURES}, got {len(v)}")
-            setattr(self, name, v)
+        self.draft = [float(c) for c in self.draft]
+        if len(self.draft) != 4:
+            raise ValueError(f"LatencyModel.draft needs 4 coefficients {FEATURES}, got {len(self.draft)}")
+        self.verify = [float(c) for c in self.verify]
+        if self.verify_knots is None:
+            if len(self.verify) != 4:
+                raise ValueError(f"LatencyModel.verify needs 4 coefficients {FEATURES}, got {len(self.verify)}")
+            return
+        knots = [int(k) for k in self.verify_knots]
+        if len(knots) < 2 or knots[0] < 1 or any(b <= a for a, b in zip(knots, knots[1:])):
+            raise ValueError(f"verify_knots must be at least 2 increasing row counts >= 1, got {self.verify_knots}")
+        if len(self.verify) != 2 * len(knots):
+            raise ValueError(f"LatencyModel.verify needs 2 coefficients (intercept, slope in L) per knot: "
+                             f"{2 * len(knots)} for {len(knots)} knots, got {len(self.verify)}")
+        self.verify_knots = knots
+
+    def draft_steps(self, width, context_len) -> np.ndarray:
+        """Seconds of one draft forward, vectorised over broadcastable arrays of W and L."""
+        a = self.draft
+        w, L = np.asarray(width, np.float64), np.asarray(context_len, np.float64)
+        return np.maximum(0.0, a[0] + a[1] * w + a[2] * L + a[3] * w * L)
+
+    def verify_times(self, size, context_len) -> np.ndarray:
+        """Seconds of one verification of V draft nodes (V + 1 rows), vectorised over broadcastable V and L."""
+        n, L = np.asarray(size, np.float64) + 1, np.asarray(context_len, np.float64)
+        b = self.verify
+        if self.verify_knots is None:
+            return np.maximum(0.0, b[0] + b[1] * n + b[2] * L + b[3] * n * L)
+        knots = np.asarray(self.verify_knots, np.float64)
+        c = np.asarray(b, np.float64).reshape(-1, 2)
+        i = np.clip(np.searchsorted(knots, n, side="right") - 1, 0, len(knots) - 2)  # segment (extended at ends)
+        frac = (n - knots[i]) / (knots[i + 1] - knots[i])
+        lo, hi = c[i, 0] + c[i, 1] * L, c[i + 1, 0] + c[i + 1, 1] * L
+        return np.maximum(0.0, lo + frac * (hi - lo))
 
     def draft_step(self, width: int, context_len: int) -> float:
-        a = self.draft
-        return max(0.0, a[0] + a[1] * width + a[2] * context_len + a[3] * width * context_len)
+        return float(self.draft_steps(width, context_len))
 
     def draft_time(self, width: int, depth: int, context_len: int) -> float:
         return depth * self.draft_step(width, context_len) if depth > 0 else 0.0
 
     def verify_time(self, size: int, context_len: int) -> float:
-        b, n = self.verify, size + 1
-        return max(0.0, b[0] + b[1] * n + b[2] * context_len + b[3] * n * context_len)
+        return float(self.verify_times(size, context_len))
+
+    def describe(self) -> list[str]:
+        """The fitted forms in milliseconds, one line each (what ``adaptree calibrate`` prints)."""
+        a, b = [x * 1e3 for x in self.draft], [x * 1e3 for x in self.verify]
+        out = [f"draft step  = {a[0]:.3f} + {a[1]:.4f}*W + {a[2]:.6f}*L + {a[3]:.8f}*W*L ms"]
+        if self.verify_knots is None:
+            out.append(f"verify      = {b[0]:.3f} + {b[1]:.4f}*N + {b[2]:.6f}*L + {b[3]:.8f}*N*L ms  (N = V + 1)")
+        else:
+            out.append("verify      = piecewise linear in N = V + 1 between knots, each knot + slope*L ms: " + ", ".join(
+                f"N={k}: {b[2 * i]:.2f}{b[2 * i + 1]:+.5f}*L" for i, k in enumerate(self.verify_knots)))
+        out.append(f"other_s     = {self.other_s * 1e3:.3f} ms per cycle")
+        return out
 
     def cycle_time(self, width: int, depth: int, size: int, context_len: int) -> float:
         return self.draft_time(width, depth, context_len) + self.verify_time(size, context_len) + self.other_s
@@ -84,13 +135,18 @@ class LatencyModel:
 
     @classmethod
     def fit(cls, draft_samples: Iterable[tuple[int, int, float]], verify_samples: Iterable[tuple[int, int, float]],
-            other_s: float = 0.0, meta: dict | None = None) -> "LatencyModel":
+            other_s: float = 0.0, meta: dict | None = None, knots: bool = False) -> "LatencyModel":
         """Least-squares fit. ``draft_samples``: (W, L, seconds per draft forward); ``verify_samples``:
-        (V, L, seconds per target forward over V+1 nodes)."""
+        (V, L, seconds per target forward over V+1 nodes). ``knots``: the piecewise-linear verification model
+        with a knot at every sampled N = V + 1 (each needs two distinct L), made non-decreasing in N (see
+        :func:`_knot_fit`); else the bilinear form."""
         d = np.asarray(list(draft_samples), np.float64).reshape(-1, 3)
         v = np.asarray(list(verify_samples), np.float64).reshape(-1, 3)
-        return cls(cls._lstsq(d[:, 0], d[:, 1], d[:, 2]), cls._lstsq(v[:, 0] + 1, v[:, 1], v[:, 2]),
-                   float(other_s), dict(meta or {}))
+        if not knots:
+            return cls(cls._lstsq(d[:, 0], d[:, 1], d[:, 2]), cls._lstsq(v[:, 0] + 1, v[:, 1], v[:, 2]),
+                       float(other_s), dict(meta or {}))
+        kn, coef = _knot_fit(v[:, 0] + 1, v[:, 1], v[:, 2])
+        return cls(cls._lstsq(d[:, 0], d[:, 1], d[:, 2]), coef, float(other_s), dict(meta or {}), kn)
 
     @classmethod
     def fit_records(cls, records: Iterable, meta: dict | None = None) -> "LatencyModel":
@@ -112,7 +168,7 @@ class LatencyModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyModel":
-        unknown = set(d) - {"draft", "verify", "other_s", "meta"}
+        unknown = set(d) - {"draft", "verify", "other_s", "meta", "verify_knots"}
         if unknown:
             raise ValueError(f"unknown latency model fields {sorted(unknown)}")
         return cls(**d)
@@ -126,6 +182,43 @@ class LatencyModel:
     def load(cls, path: str | os.PathLike) -> "LatencyModel":
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def _isotonic(y: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for x in map(float, y):
+        blocks.append([x, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, c2 = blocks.pop()
+            m1, c1 = blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return np.concatenate([np.full(int(c), m) for m, c in blocks])
+
+
+def _knot_fit(n: np.ndarray, L: np.ndarray, t: np.ndarray) -> tuple[list[int], list[float]]:
+    """Per sampled row count N: a least-squares line in L. The lines' values at the smallest and largest
+    sampled L are then each made non-decreasing in N (isotonic regression; two lines ordered at both ends
+    are ordered in between), so that a larger tree never costs less: micro-benchmark noise must not let the
+    oracle or a policy exploit a spurious dip. Returns (knots, [intercept, slope] per knot)."""
+    knots = sorted({int(x) for x in n})
+    if len(knots) < 2:
+        raise ValueError(f"the knot model needs at least 2 distinct verification sizes, got N = {knots}")
+    lo, hi = float(L.min()), float(L.max())
+    if hi <= lo:
+        raise ValueError("the knot model needs at least 2 distinct context lengths")
+    at_lo, at_hi = [], []
+    for k in knots:
+        sel = n == k
+        if len(set(L[sel].tolist())) < 2:
+            raise ValueError(f"verification size V={k - 1} was timed at fewer than 2 context lengths")
+        slope, icpt = np.polyfit(L[sel], t[sel], 1)
+        at_lo.append(icpt + slope * lo)
+        at_hi.append(icpt + slope * hi)
+    at_lo, at_hi = _isotonic(np.asarray(at_lo)), _isotonic(np.asarray(at_hi))
+    slope = (at_hi - at_lo) / (hi - lo)
+    coef = np.stack([at_lo - slope * lo, slope], axis=1).reshape(-1)
+    return knots, coef.tolist()
 
 
 def machine_meta() -> dict:
@@ -187,9 +280,9 @@ def _time(fn, repeats: int, sync) -> float:
 
 
 @torch.inference_mode()
-def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Sequence[int] = (0, 16, 32, 60, 120, 240),
+def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Sequence[int] = CALIBRATION_SIZES,
               lengths: Sequence[int] = (64, 256, 512, 1024), repeats: int = 5, tree_levels: int = 4,
-              progress: bool = False) -> LatencyModel:
+              progress: bool = False, knots: bool = True) -> LatencyModel:
     """Micro-benchmark the engine's pieces on ``target``/``head`` and fit a :class:`LatencyModel`.
 
     Draft: a :class:`~adaptree.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
@@ -197,6 +290,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
     L cached positions. Cache contents are zeros (values do not change the time). Lengths past the
     model's context limit are skipped. Takes minutes on a real model: not for a shared, busy machine.
     ``other_s`` is left 0 (the per-cycle overhead needs live cycles: ``adaptree calibrate`` sets it).
+    ``knots``: fit the piecewise-linear verification model (a knot per size), else the bilinear one.
     ``meta`` records the machine (:func:`machine_meta`), dtype and the samples.
     """
     from tqdm import tqdm
@@ -259,4 +353,4 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
             "machine": machine_meta(),
             "widths": list(widths), "sizes": list(sizes), "lengths": list(lengths), "repeats": repeats,
             "draft_samples": draft_samples, "verify_samples": verify_samples}
-    return LatencyModel.fit(draft_samples, verify_samples, 0.0, meta)
+    return LatencyModel.fit(draft_samples, verify_samples, 0.0, meta, knots=knots)

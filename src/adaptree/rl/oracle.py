@@ -107,12 +107,10 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
     L = (n + pos).astype(np.float64)
     room = trace.max_len - n - pos  # >= 1 for j < T
     forced_ar = room <= 1  # the engine drafts nothing there (simulate_one: room > 1)
-    b = lat.verify
-    ar_cost = np.maximum(0.0, b[0] + b[1] * 1 + b[2] * L + b[3] * 1 * L) + lat.other_s
+    ar_cost = lat.verify_times(0, L) + lat.other_s
 
     def verify(v: np.ndarray) -> np.ndarray:
-        nn = v.astype(np.float64) + 1
-        return np.maximum(0.0, b[0] + b[1] * nn + b[2] * L[:, None] + b[3] * nn * L[:, None])
+        return lat.verify_times(v, L[:, None])
 
     W_, D_, S_, A_, C_, ST_, RQ_ = [], [], [], [], [], [], []
     if allow_ar:
@@ -125,14 +123,13 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
         RQ_.append(np.array([0]))
     all_sizes = sizes == "all"
     if all_sizes:
-        slope = b[1] + b[3] * L
-        if T and (slope < 0).any():
-            raise ValueError("sizes='all' needs a verification time non-decreasing in V (b1 + b3*L >= 0 at every L); "
-                             "pass an explicit list of sizes")
+        most = max(num_candidates(w, max(depths)) for w in widths)
+        if T and (np.diff(verify(np.arange(most + 1)), axis=1) < -1e-12).any():
+            raise ValueError("sizes='all' needs a verification time non-decreasing in V at every context length of "
+                             "the trace; pass an explicit list of sizes")
     for w in widths:
         wt = trace.widths[w]
-        a = lat.draft
-        step = np.maximum(0.0, a[0] + a[1] * w + a[2] * L + a[3] * w * L)
+        step = lat.draft_steps(w, L)
         for d in depths:
             c = num_candidates(w, d)
             table = acceptance_table(wt, trace.output, d, pos) if T else np.zeros((0, c + 1), np.int64)

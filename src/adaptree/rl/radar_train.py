@@ -174,10 +174,8 @@ def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: Rad
     decisions = np.minimum(k + 1, d - 1)
     if latency is not None:
         L = context_len.astype(np.float64)[:, None]
-        a, b = latency.draft, latency.verify
-        t_draft = np.maximum(0.0, a[0] + a[1] * width + a[2] * L + a[3] * width * L)
-        nn_ = sizes.astype(np.float64) + 1
-        t_fixed = np.maximum(0.0, b[0] + b[1] * nn_ + b[2] * L + b[3] * nn_ * L) + latency.other_s
+        t_draft = latency.draft_steps(width, L)
+        t_fixed = latency.verify_times(sizes, L) + latency.other_s
     else:
         t_draft = np.full((n, 1), float(cfg.t_draft))
         t_fixed = np.full((n, d), float(cfg.t_fixed))
