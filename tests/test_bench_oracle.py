@@ -18,19 +18,9 @@ from adaptree.engine import Engine
 from adaptree.rl.latency import LatencyModel, machine_meta
 from adaptree.rl.oracle import fraction_of_oracle_gain, oracle_all
 from adaptree.rl.simulator import simulate
+from test_bench import _decode, _encode  # the toy chat template of the bench tests
 
 LAT = LatencyModel([2e-3, 1e-4, 1e-6, 1e-8], [8e-3, 2e-4, 2e-6, 1e-8], other_s=5e-4)
-
-
-def _encode(messages):
-    ids = []
-    for m in messages:
-        ids += [ord(c) % 16 for c in m["content"]][:10] + [0]
-    return ids
-
-
-def _decode(ids):
-    return "".join(chr(ord("a") + t) for t in ids)
 
 
 @pytest.fixture

@@ -71,7 +71,9 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
     assert out.returncode == 2 and "temperature must be >= 0, got -1" in out.stderr
 
 
-def test_shipped_head_loads_and_is_lossless(smollm2):
+@pytest.fixture(scope="module")
+def shipped_engine(smollm2):
+    """The default model's engine with the head shipped for it (loaded as ``--draft auto`` does)."""
     from adaptree.models.registry import shipped_head
 
     folder = shipped_head()
@@ -79,7 +81,11 @@ def test_shipped_head_loads_and_is_lossless(smollm2):
         pytest.skip("no head shipped for the default model")
     target, tok = smollm2
     head = Eagle3Head.from_pretrained(folder, target=target).eval()
-    eng = Engine(target, head, eos_token_ids=tok.eos_token_ids)
+    return Engine(target, head, eos_token_ids=tok.eos_token_ids)
+
+
+def test_shipped_head_loads_and_is_lossless(smollm2, shipped_engine):
+    tok, eng = smollm2[1], shipped_engine
     taus = []
     for text in ("Give three tips for staying healthy.", "Write a Python function that reverses a string."):
         ids = tok.apply_chat([{"role": "user", "content": text}])
@@ -115,18 +121,12 @@ def test_cli_bench_end_to_end_float32(tmp_path):
     assert bad.returncode == 2 and "dtype='float32'" in bad.stderr
 
 
-def test_shipped_policies_load_and_are_lossless(smollm2):
+def test_shipped_policies_load_and_are_lossless(smollm2, shipped_engine):
     """Every learned or tuned method shipped next to the default head loads without flags and leaves the
     fp32 greedy output identical to AR; the learned controllers actually shape the tree."""
     from adaptree.controllers import LEARNED, make_controller
-    from adaptree.models.registry import shipped_head
 
-    folder = shipped_head()
-    if folder is None:
-        pytest.skip("no head shipped for the default model")
-    target, tok = smollm2
-    head = Eagle3Head.from_pretrained(folder, target=target).eval()
-    eng = Engine(target, head, eos_token_ids=tok.eos_token_ids)
+    tok, eng = smollm2[1], shipped_engine
     ids = tok.apply_chat([{"role": "user", "content": "Write a Python function that checks for palindromes."}])
     ar = eng.generate(ids, None, max_new_tokens=32)
     for method in ("static-gs", *LEARNED):
