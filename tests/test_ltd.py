@@ -102,6 +102,27 @@ def test_size_observation_holds_every_candidate(models):
     assert o[-2] == pytest.approx(4 / DMAX)
 
 
+@pytest.mark.parametrize("obs", [OBS, LTDObservation(width=W, max_depth=DMAX, use_depth=False)], ids=["pdl", "pl"])
+def test_padded_size_policy_equals_the_full_observation(models, obs):
+    """The controller's fast path (padding's share of the first layer cached per tree size) decides exactly
+    as the policy does on the materialised observation, at every depth."""
+    torch.manual_seed(0)
+    pol = MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(LTD_SIZES), [64, 16])).eval()
+    for depth in range(1, DMAX + 1):
+        tree, _ = grow(models, depth)
+        head, tail = obs.size_parts(tree)
+        full = obs.size_obs(tree)
+        assert torch.equal(torch.cat([head, torch.full((obs.max_candidates - head.numel(),), obs.pad_value), tail]),
+                           full)
+        for _ in range(2):  # the second call uses the cached padding term
+            assert pol.act_padded(head, obs.pad_value, obs.max_candidates, tail) == pol.act(full)
+        with torch.no_grad():
+            logits = pol(full)
+        assert (logits.topk(2).values[0] - logits.topk(2).values[1]) > 1e-4  # not a tie: the equality means something
+    with pytest.raises(ValueError, match="does not make the policy's"):
+        pol.act_padded(head, obs.pad_value, obs.max_candidates + 1, tail)
+
+
 def test_observation_ablations_and_bad_values(models):
     tree, steps = grow(models, 2)
     pl = LTDObservation(width=W, max_depth=DMAX, use_depth=False)

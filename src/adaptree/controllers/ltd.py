@@ -92,21 +92,26 @@ class LTDObservation:
     def size_dim(self) -> int:
         return self.max_candidates + self._extras()
 
-    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> torch.Tensor:
+    @property
+    def pad_value(self) -> float:
+        """What an empty score slot holds."""
+        return self.score_floor * self.score_scale
+
+    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sorted, clamped, scaled scores; the extras D and L): the observation without its padding."""
         s = scores.detach().float().reshape(-1).cpu()
         if s.numel() > n:
             raise ValueError(f"{s.numel()} scores do not fit the observation's {n} slots "
                              f"(W={self.width}, max_depth={self.max_depth})")
-        out = torch.full((n + self._extras(),), self.score_floor * self.score_scale)
         srt = torch.sort(s, descending=True).values.clamp(min=self.score_floor)
-        out[:srt.numel()] = torch.nan_to_num(srt, nan=self.score_floor) * self.score_scale
-        i = n
-        if self.use_depth:
-            out[i] = depth / self.max_depth
-            i += 1
-        if self.use_length:
-            out[i] = context_len / self.length_scale
-        return out
+        head = torch.nan_to_num(srt, nan=self.score_floor) * self.score_scale
+        extras = ([depth / self.max_depth] if self.use_depth else []) + (
+            [context_len / self.length_scale] if self.use_length else [])
+        return head, torch.tensor(extras, dtype=torch.float32)
+
+    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> torch.Tensor:
+        head, tail = self._parts(scores, n, depth, context_len)
+        return torch.cat([head, torch.full((n - head.numel(),), self.pad_value), tail])
 
     def depth_obs(self, step: DraftStep) -> torch.Tensor:
         """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L."""
@@ -115,6 +120,10 @@ class LTDObservation:
     def size_obs(self, tree: DraftTree) -> torch.Tensor:
         """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L."""
         return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
+
+    def size_parts(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`size_obs` without the padding, for :meth:`~adaptree.rl.policy.MLPPolicy.act_padded`."""
+        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
 
 
 def shipped_policy(kind: str, head_folder: str | Path | None = None) -> Path | None:
@@ -216,4 +225,6 @@ class LTDController(Controller):
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:
             return plan.size
-        return self.sizes[self.size_policy.act(self.size_obs.size_obs(tree))]
+        head, tail = self.size_obs.size_parts(tree)  # most of the input is padding: skip multiplying it
+        return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
+                                                      tail)]

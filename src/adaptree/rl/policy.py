@@ -92,6 +92,28 @@ class MLPPolicy(nn.Module):
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    @torch.inference_mode()
+    def act_padded(self, head: torch.Tensor, pad_value: float, width: int, tail: torch.Tensor) -> int:
+        """:meth:`act` (argmax) on the observation ``[head ; pad_value x (width - len(head)) ; tail]`` without
+        multiplying the padding: its share of the first layer, ``b + pad_value * W[:, n:width].sum(1)``, is
+        cached per head length n. For LTD's size policy the padding is most of the input (a depth-1 tree fills
+        10 of 1,110 score slots). Equal to :meth:`act` up to float summation order."""
+        n = head.numel()
+        first = self.body[0] if len(self.body) else self.head
+        if not isinstance(first, nn.Linear) or n > width or width + tail.numel() != first.in_features:
+            raise ValueError(f"act_padded: head {n} + padding to {width} + tail {tail.numel()} does not make the "
+                             f"policy's {self.config.obs_dim} inputs")
+        cache = self.__dict__.setdefault("_pad_cache", {})
+        key = (n, float(pad_value), width)
+        if key not in cache:
+            cache[key] = first.bias + pad_value * first.weight[:, n:width].sum(dim=1)
+        w = first.weight
+        x = cache[key] + w[:, :n] @ head + w[:, width:] @ tail
+        rest = list(self.body)[1:] + [self.head] if len(self.body) else []
+        for layer in rest:
+            x = layer(x)
+        return int(x.argmax())
+
     # ---- SB3 ------------------------------------------------------------------------------------------
 
     @classmethod
