@@ -10,7 +10,8 @@ import pytest
 
 from adaptree.bench.report import summarize, write_report
 from adaptree.bench.runner import BenchConfig, bench_loop, check_out_dir, finish, read_records
-from adaptree.bench.stats import (acceptance_by_position, bootstrap_ratio_ci, ratio_of_sums, wilcoxon_paired)
+from adaptree.bench.stats import (acceptance_by_position, bootstrap_ratio_ci, bootstrap_throughput_ratio_ci, ratio_of_sums,
+                                  throughput_ratio, wilcoxon_paired)
 from adaptree.controllers import StaticConfig, StaticController, make_controller
 from adaptree.data.prompts import Prompt
 from adaptree.engine import Engine
@@ -136,6 +137,25 @@ def test_ratio_ci_and_wilcoxon_statistics():
     assert same["p_value"] == 1.0
     noise = wilcoxon_paired(rng.normal(size=30), rng.normal(size=30))
     assert noise["p_value"] > 0.01
+
+
+def test_speedup_is_the_throughput_ratio():
+    """Equal token counts: the ratio of total times. Outputs of different lengths (sampling): tokens per second,
+    not time — a method that stops earlier must not look faster for it."""
+    rng = np.random.default_rng(1)
+    ar_t = rng.uniform(8, 12, 30)
+    m_t = ar_t / 1.3 * rng.uniform(0.9, 1.1, 30)
+    n = rng.integers(50, 200, 30).astype(float)
+    assert throughput_ratio(n, m_t, n, ar_t) == pytest.approx(ratio_of_sums(ar_t, m_t), rel=1e-12)
+    assert bootstrap_throughput_ratio_ci(n * 0 + 1, m_t, n * 0 + 1, ar_t) == bootstrap_ratio_ci(ar_t, m_t)
+    # same speed per token, half the tokens: half the time, yet no speedup
+    assert throughput_ratio([50.0], [1.0], [100.0], [2.0]) == pytest.approx(1.0)
+    half = n / 2
+    r = throughput_ratio(half, m_t / 2, n, ar_t)
+    lo, hi = bootstrap_throughput_ratio_ci(half, m_t / 2, n, ar_t)
+    assert r == pytest.approx(ratio_of_sums(ar_t, m_t), rel=0.1) and lo < r < hi and lo > 1.1
+    with pytest.raises(ValueError, match="differ in length"):
+        bootstrap_throughput_ratio_ci([1, 2], [1, 2], [1], [1])
 
 
 def test_acceptance_by_position_counts():

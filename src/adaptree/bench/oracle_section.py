@@ -22,6 +22,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .stats import throughput_ratio
+
 ORACLE_FILE = "oracle_modelled.json"
 TRACES_DIR = "traces"
 NOTE = ("modelled = greedy traces of the first turns replayed with the latency model; measured = wall-clock "
@@ -110,8 +112,8 @@ def modelled(out: Path, store, prompts: dict[str, list[tuple[str, list[int]]]], 
 
 
 def measured_first_turns(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """dataset (and ``all``) -> method -> Σ AR wall time / Σ method wall time over the first turns both ran
-    (every repeat)."""
+    """dataset (and ``all``) -> method -> its tokens/s over AR's on the first turns both ran (every repeat):
+    Σ AR wall time / Σ method wall time when the token counts match (see report.py's speedup)."""
     ok = [r for r in rows if "skipped" not in r and r.get("turn", 0) == 0]
     key = lambda r: (r["dataset"], r["prompt_id"], r["repeat"])  # noqa: E731
     ar = {key(r): r for r in ok if r["method"] == "ar"}
@@ -121,12 +123,15 @@ def measured_first_turns(rows: list[dict]) -> dict[str, dict[str, float]]:
         if a is None:
             continue
         for ds in (r["dataset"], "all"):
-            s = sums.setdefault(ds, {}).setdefault(r["method"], [0.0, 0.0])
-            s[0] += a["wall_s"]
+            s = sums.setdefault(ds, {}).setdefault(r["method"], [0.0, 0.0, 0.0, 0.0])
+            s[0] += r["new_tokens"]
             s[1] += r["wall_s"]
+            s[2] += a["new_tokens"]
+            s[3] += a["wall_s"]
     if len({r["dataset"] for r in ok}) < 2:
         sums.pop("all", None)
-    return {ds: {m: (a / b if b > 0 else None) for m, (a, b) in ms.items()} for ds, ms in sums.items()}
+    return {ds: {m: (throughput_ratio(*([x] for x in v)) if v[1] > 0 and v[2] > 0 else None) for m, v in ms.items()}
+            for ds, ms in sums.items()}
 
 
 def merge(out: Path, rows: list[dict], methods: list[str]) -> dict | None:

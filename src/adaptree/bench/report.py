@@ -2,9 +2,12 @@
 
 Metric definitions (docs/benchmarking.md has the long form):
 
-- speedup (total time) = sum of AR wall times / sum of the method's wall times over the same runs
-  (prompt x turn x repeat), with a 95% percentile-bootstrap interval over runs; speedup (mean per
-  prompt) = mean of the per-run ratios AR time / method time.
+- speedup = the method's tokens per second over AR's, both summed over the same runs (prompt x turn x
+  repeat): (Σ method tokens / Σ method time) / (Σ AR tokens / Σ AR time), with a 95% percentile-bootstrap
+  interval over runs. With equal token counts (greedy float32) it is Σ AR time / Σ method time, the ratio
+  of total times (the key keeps that name: ``speedup_total_time``); with sampling the arms' outputs differ
+  in length and only the throughput ratio compares like with like. Speedup (mean per prompt) = mean of
+  the per-run throughput ratios.
 - tau = (accepted draft tokens + 1 bonus) summed over cycles / cycles.
 - tokens/s = generated tokens / wall time (prefill included), tokens counted as token ids.
 - draft forwards per cycle = mean tree depth (one draft forward per level).
@@ -22,7 +25,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from .stats import acceptance_by_position, bootstrap_mean_ci, bootstrap_ratio_ci, ratio_of_sums, wilcoxon_paired
+from .stats import (acceptance_by_position, bootstrap_mean_ci, bootstrap_throughput_ratio_ci, throughput_ratio,
+                    wilcoxon_paired)
 
 SPLIT_KEYS = ("draft_s", "verify_s", "policy_s", "other_s")
 
@@ -55,9 +59,10 @@ def _entry(rs: list[dict], ar: dict, ref: dict | None, ref_name: str | None, gre
     pairs = [(r, ar[_pair_key(r)]) for r in rs if _pair_key(r) in ar]
     if pairs:
         a_t, m_t = [a["wall_s"] for _, a in pairs], [r["wall_s"] for r, _ in pairs]
-        e["speedup_total_time"] = ratio_of_sums(a_t, m_t)
-        e["speedup_total_time_ci95"] = bootstrap_ratio_ci(a_t, m_t)
-        per = [x / y for x, y in zip(a_t, m_t)]
+        a_n, m_n = [a["new_tokens"] for _, a in pairs], [r["new_tokens"] for r, _ in pairs]
+        e["speedup_total_time"] = throughput_ratio(m_n, m_t, a_n, a_t)
+        e["speedup_total_time_ci95"] = bootstrap_throughput_ratio_ci(m_n, m_t, a_n, a_t)
+        per = [throughput_ratio([mn], [mt], [an], [at]) for mn, mt, an, at in zip(m_n, m_t, a_n, a_t)]
         e["speedup_mean_per_prompt"] = statistics.fmean(per)
         e["speedup_mean_per_prompt_ci95"] = bootstrap_mean_ci(per)
         e["speedup_median_per_prompt"] = statistics.median(per)
@@ -68,9 +73,10 @@ def _entry(rs: list[dict], ar: dict, ref: dict | None, ref_name: str | None, gre
         if rp:
             mine = [r["new_tokens"] / r["wall_s"] for r, _ in rp]
             theirs = [x["new_tokens"] / x["wall_s"] for _, x in rp]
-            r_t, x_t = [r["wall_s"] for r, _ in rp], [x["wall_s"] for _, x in rp]
-            e["vs_reference"] = {"reference": ref_name, "speed_ratio_total_time": ratio_of_sums(x_t, r_t),
-                                 "speed_ratio_ci95": bootstrap_ratio_ci(x_t, r_t),
+            cols = ([r["new_tokens"] for r, _ in rp], [r["wall_s"] for r, _ in rp],
+                    [x["new_tokens"] for _, x in rp], [x["wall_s"] for _, x in rp])
+            e["vs_reference"] = {"reference": ref_name, "speed_ratio_total_time": throughput_ratio(*cols),
+                                 "speed_ratio_ci95": bootstrap_throughput_ratio_ci(*cols),
                                  "wilcoxon_tokens_per_s": wilcoxon_paired(mine, theirs)}
     return e
 
@@ -138,7 +144,7 @@ def print_table(summary: dict) -> None:
     s = summary.get("settings", {})
     print(f"model {s.get('model')}, dtype {s.get('dtype')}, threads {s.get('threads')}, "
           f"{'greedy' if summary['greedy'] else 'T=' + str(summary['config']['temperature'])}; "
-          f"speedup = AR time / method time; p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
+          f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
     if summary.get("oracle"):
@@ -165,7 +171,8 @@ def write_report(summary: dict, out: Path) -> None:
               "", "## Results", "",
               "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
-    lines += ["", "speedup: AR wall time / method wall time summed over the same runs (95% bootstrap CI over runs); "
+    lines += ["", "speedup: the method's tokens/s over AR's, each summed over the same runs (= AR wall time / method wall "
+              "time when both generated the same tokens, as in greedy float32; 95% bootstrap CI over runs); "
               "tau: mean accepted draft tokens + 1 per cycle; depth: mean draft forwards per cycle; V: mean "
               "verified draft nodes per cycle; policy%: controller time / wall time; ≠AR: runs whose token ids "
               f"differ from AR's (greedy only); p vs ref: paired Wilcoxon signed-rank test of per-run tokens/s "
@@ -232,7 +239,7 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
         ax.bar(xs, ys, w, yerr=[lo, hi], capsize=3, label=m)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xticks(range(len(datasets)), datasets)
-    ax.set_ylabel("speedup vs AR (total time)")
+    ax.set_ylabel("speedup vs AR (tokens/s ratio)")
     ax.set_title(f"speedup with 95% bootstrap CI ({summary.get('settings', {}).get('dtype')})")
     ax.legend(fontsize=8)
     fig.tight_layout()

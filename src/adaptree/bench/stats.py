@@ -18,24 +18,49 @@ def ratio_of_sums(num: Sequence[float], den: Sequence[float]) -> float:
     return float(np.sum(num)) / d if d > 0 else math.nan
 
 
+def throughput_ratio(tok: Sequence[float], sec: Sequence[float], ref_tok: Sequence[float],
+                     ref_sec: Sequence[float]) -> float:
+    """``(Σ tok / Σ sec) / (Σ ref_tok / Σ ref_sec)``: a method's tokens per second over a reference's on the
+    same runs (the speedup). When every run generated as many tokens in both arms (greedy float32) it is
+    ``Σ ref_sec / Σ sec``, the ratio of total times; when the outputs differ in length (sampling, bf16
+    rounding) it still compares like with like, which the ratio of times does not."""
+    t, s, rt, rs = (float(np.sum(x)) for x in (tok, sec, ref_tok, ref_sec))
+    return (t * rs) / (s * rt) if s > 0 and rt > 0 else math.nan
+
+
+def bootstrap_throughput_ratio_ci(tok: Sequence[float], sec: Sequence[float], ref_tok: Sequence[float],
+                                  ref_sec: Sequence[float], level: float = 0.95, resamples: int = 4000,
+                                  seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of :func:`throughput_ratio`, resampling the paired runs with replacement.
+
+    With fewer than two runs the interval is undefined: ``(nan, nan)``.
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"confidence level must be in (0, 1), got {level}")
+    cols = [np.asarray(x, dtype=float) for x in (tok, sec, ref_tok, ref_sec)]
+    if len({c.shape for c in cols}) != 1:
+        raise ValueError(f"paired samples differ in length: {[c.size for c in cols]}")
+    if cols[0].size < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cols[0].size, size=(resamples, cols[0].size))
+    t, s, rt, rs = (c[idx].sum(1) for c in cols)
+    ratios = (t * rs) / np.maximum(s * rt, 1e-300)
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(lo), float(hi)
+
+
 def bootstrap_ratio_ci(num: Sequence[float], den: Sequence[float], level: float = 0.95, resamples: int = 4000,
                        seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of ``sum(num) / sum(den)``, resampling the pairs with replacement.
 
     With fewer than two pairs the interval is undefined: ``(nan, nan)``.
     """
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"confidence level must be in (0, 1), got {level}")
     a, b = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     if a.shape != b.shape:
         raise ValueError(f"paired samples differ in length: {a.size} vs {b.size}")
-    if a.size < 2:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, a.size, size=(resamples, a.size))
-    ratios = a[idx].sum(1) / np.maximum(b[idx].sum(1), 1e-300)
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(lo), float(hi)
+    ones = np.ones_like(a)
+    return bootstrap_throughput_ratio_ci(ones, b, ones, a, level, resamples, seed)
 
 
 def bootstrap_mean_ci(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
