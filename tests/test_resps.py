@@ -542,3 +542,124 @@ def test_each_step_is_credited_with_the_cycles_its_own_action_ran(traces):
     for k in range(len(rewards)):
         f = torch.from_numpy(traces[3].features[roots[k * n]])
         assert np.allclose(observed[k], state(f).numpy())  # the state of the decision cycle, no later one
+
+
+# ----------------------------------------------------------------------------- sentence-embedding state
+
+
+class ToyTokenizer:
+    """What the embedding state needs of the target's tokenizer: ``decode``. Token t -> a 3-letter word."""
+
+    @staticmethod
+    def decode(ids):
+        return " ".join("abcdefghijklmnopqrstuvwxyz"[t % 26] * 3 for t in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    """A random 1-layer BERT with a word-piece vocabulary, saved as a folder (the MiniLM folder's layout)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    folder = tmp_path_factory.mktemp("encoder")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [c * 3 for c in "abcdefghijklmnopqrstuvwxyz"]
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(str(folder))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=64)).save_pretrained(str(folder))
+    return folder
+
+
+def embedding_state(folder) -> ReSpSState:
+    return ReSpSState(H, "embedding", encoder=str(folder), encoder_dim=16, max_tokens=12)
+
+
+def test_embedding_state_encodes_the_context_text(tiny_encoder):
+    from adaptree.controllers.base import CycleContext
+    from adaptree.models.sentence import SentenceEncoder, shared_encoder
+
+    st = embedding_state(tiny_encoder)
+    assert st.dim == 16 and ReSpSState.from_dict(st.to_dict()) == st
+    observe = st.observer(ToyTokenizer())
+    gen = [3, 4]
+    ctx = CycleContext(0, 5, 2, None, [1, 2, 0], gen)
+    x = observe(ctx)
+    enc = SentenceEncoder(tiny_encoder, max_tokens=12)
+    assert torch.allclose(x, enc.encode(["bbb ccc aaa ddd eee"])[0], atol=1e-6)
+    assert x.shape == (16,) and torch.linalg.vector_norm(x).item() == pytest.approx(1.0, abs=1e-5)
+    gen.append(9)  # the generated list grows between cycles: the state follows it
+    assert not torch.allclose(observe(ctx), x)
+    # a context longer than max_tokens keeps its end (12 tokens incl. [CLS]/[SEP] = the last 10 words)
+    long = CycleContext(0, 40, 1, None, list(range(30)), [25])
+    assert torch.allclose(observe(long), observe(CycleContext(0, 10, 1, None, list(range(21, 30)), [25])), atol=1e-6)
+    assert shared_encoder(tiny_encoder, 12) is shared_encoder(tiny_encoder, 12)
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        st.observer(None)
+    with pytest.raises(ValueError, match="gives 16 values, the policy was trained on 384"):
+        ReSpSState(H, "embedding", encoder=str(tiny_encoder), max_tokens=12).observer(ToyTokenizer())
+    with pytest.raises(ValueError, match="built from the context text"):
+        st(torch.zeros(3 * H))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        SentenceEncoder(tiny_encoder / "missing")
+
+
+def test_embedding_policy_is_lossless_and_replays_like_the_live_engine(models, traces, tiny_encoder):
+    from adaptree.controllers.base import CycleContext
+
+    target, head = models
+    st = embedding_state(tiny_encoder)
+    # centre the hand-set unit on the contexts this test visits, so that the plan follows the text
+    observe = st.observer(ToyTokenizer())
+    seen = [observe(CycleContext(0, 0, 0, None, list(t.prompt), list(t.output[:k]))) for t in traces
+            for k in range(1, N_NEW, 5)]
+    pol = nearest_center_policy(st, scale=40.0)
+    with torch.no_grad():
+        proj = torch.stack(seen) @ (pol.body[0].weight[0] / 40.0)
+        pol.body[0].bias.fill_(-40.0 * float(proj.median()))
+    eng = Engine(target, head)
+    plans = set()
+    for prompt, tr in zip(PROMPTS, traces):
+        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+        live_ctl = ReSpSController(ReSpSConfig(interval=2), policy=pol, tokenizer=ToyTokenizer())
+        live = eng.generate(prompt, live_ctl, max_new_tokens=N_NEW)
+        assert live.token_ids == ar.token_ids
+        sim_ctl = ReSpSController(ReSpSConfig(interval=2), policy=pol, tokenizer=ToyTokenizer())
+        sim = simulate(sim_ctl, tr, max_new_tokens=N_NEW, measure_policy=False).runs[0]
+        assert sim_ctl.decisions == live_ctl.decisions
+        assert [(c.width, c.depth, c.size, c.accepted) for c in sim.cycles] == \
+               [(c.width, c.depth, c.size, c.accepted) for c in live.cycles]
+        plans |= {(c.width, c.depth, c.size) for c in live.cycles}
+    assert len(plans) >= 2  # the text state really changes the plan
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        ReSpSController(policy=pol)
+
+
+def test_training_on_the_embedding_state(train_traces, tmp_path, tiny_encoder):
+    from adaptree.rl.resps_train import train_resps
+
+    source, validator, val = sim_setup(train_traces)
+    out = tmp_path / "emb"
+    cfg = tiny_config(out, state="embedding", encoder=str(tiny_encoder), steps=128)
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        train_resps(cfg, source, validator, hidden=H, progress=False)
+    s = train_resps(cfg, source, validator, hidden=H, progress=False, tokenizer=ToyTokenizer())
+    assert s["training"]["timesteps"] == 128
+    c = make_controller("resps", policy=str(out / "policy"), tokenizer=ToyTokenizer())
+    assert c.state.state == "embedding" and c.state.dim == 16 and c.state.encoder == str(tiny_encoder)
+    sim = simulate(c, val, LAT, measure_policy=False)
+    assert sim.speedup == pytest.approx(s["resps"]["resps N=30"]["modelled_speedup"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_real_minilm_encoder_from_its_package():
+    from adaptree.models.sentence import minilm_path, shared_encoder
+
+    try:
+        minilm_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    enc = shared_encoder()
+    a, b, c = (enc(t) for t in ("How do I sort a list in Python?", "Sorting a Python list, how?",
+                                "The weather in Paris is mild in spring."))
+    assert enc.dim == 384 and a.shape == (384,) and torch.linalg.vector_norm(a).item() == pytest.approx(1.0, abs=1e-5)
+    assert float(a @ b) > float(a @ c) + 0.2  # paraphrases are closer than unrelated text

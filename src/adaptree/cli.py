@@ -94,7 +94,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "head)")
     p.add_argument("--resps-interval", type=int, default=None,
                    help="resps: cache interval N, cycles a chosen (TT, d, k) is kept (default 30, the paper's)")
-    p.add_argument("--resps-state", choices=("concat", "mean"), default=None,
+    p.add_argument("--resps-state", choices=("concat", "mean", "embedding"), default=None,
                    help="resps: state the policy was trained on, checked (default: the policy's)")
     p.add_argument("--resps-temperature", type=float, default=None,
                    help="resps: 0 = argmax, > 0 samples the action at this temperature (max-entropy: 1.5; default: "
@@ -120,7 +120,7 @@ def load_models(args):
     return target, tok, head
 
 
-def build_controller(args, head):
+def build_controller(args, head, tokenizer=None):
     from .controllers import make_controller
 
     method = args.method or ("static" if head is not None else "ar")
@@ -163,7 +163,7 @@ def build_controller(args, head):
     if method == "deagle" and "votes" in opts:
         opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
         opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
-    return make_controller(method, **opts)
+    return make_controller(method, tokenizer=tokenizer, **opts)
 
 
 def encode_prompt(tok, text: str, chat: bool | None) -> list[int]:
@@ -181,7 +181,7 @@ def cmd_generate(args) -> int:
 
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
     target, tok, head = load_models(args)
-    controller = build_controller(args, head)
+    controller = build_controller(args, head, tok)
     ids = encode_prompt(tok, args.prompt, args.chat)
     engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
 

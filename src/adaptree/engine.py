@@ -117,7 +117,7 @@ class Engine:
             t_cycle = time.perf_counter()
             rec = CycleRecord(cycle=len(result.cycles), context_len=L, width=0, depth=0, size=0,
                               candidates=0, accepted=0, emitted=0)
-            ctx = CycleContext(rec.cycle, L, len(tokens), pend_h[0, -1] if use_draft else None)
+            ctx = CycleContext(rec.cycle, L, len(tokens), pend_h[0, -1] if use_draft else None, prompt_ids, tokens)
             t0 = time.perf_counter()
             plan = ctl.begin_cycle(ctx)
             rec.policy_s += time.perf_counter() - t0

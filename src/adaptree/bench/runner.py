@@ -200,7 +200,7 @@ def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, A
             arms[m] = HFArm(hf, m, tok.eos_token_ids, assistant=assistant)
         else:
             args.method = m
-            ctl = build_controller(args, head)
+            ctl = build_controller(args, head, tok)
             arms[m] = (lambda c: lambda ids, n, s: engine.generate(ids, c, max_new_tokens=n, sampling=s))(ctl)
     return arms
 
@@ -257,7 +257,7 @@ def run_oracle(cfg: BenchConfig, args, out: Path, target, tok, head, sets, encod
                                    widths=(getattr(args, "width", None) or 10,), max_depth=max_depth)
     prompts = osec.first_turn_prompts(sets, encode, max_len)
     store = osec.record_traces(out, target, head, settings, prompts)
-    factories = {m: (lambda ns=argparse.Namespace(**{**vars(args), "method": m}): build_controller(ns, head))
+    factories = {m: (lambda ns=argparse.Namespace(**{**vars(args), "method": m}): build_controller(ns, head, tok))
                  for m in engine_methods}
     return osec.modelled(out, store, prompts, cfg.oracle_latency, factories, progress=True)
 

@@ -40,8 +40,9 @@ CONFIGS = {
 """Method name -> (config dataclass, controller class) for every configurable method."""
 
 
-def make_controller(method: str, **options) -> Controller:
-    """Build a controller by method name; ``options`` are the method's config fields."""
+def make_controller(method: str, tokenizer=None, **options) -> Controller:
+    """Build a controller by method name; ``options`` are the method's config fields. ``tokenizer``: the
+    target's, for controllers that read the context as text (Re-SpS on the embedding state)."""
     if method == "ar":
         if options:
             raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
@@ -55,5 +56,5 @@ def make_controller(method: str, **options) -> Controller:
 
             names = ", ".join(f.name for f in fields(config_cls))
             raise ValueError(f"bad options for method {method!r}: {exc}; its fields: {names}") from None
-        return controller_cls(config)
+        return controller_cls(config, tokenizer=tokenizer) if method == "resps" else controller_cls(config)
     raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")

@@ -6,6 +6,7 @@ override: the defaults give a static tree of the plan's depth and size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,11 @@ class CycleContext:
     """New tokens produced so far (the root included)."""
     features: torch.Tensor | None
     """Target low/mid/high features ``[3*hidden]`` of the last accepted position (None without a head)."""
+    prompt_ids: Sequence[int] = ()
+    """The prompt's token ids (a reference, not a copy)."""
+    generated_ids: Sequence[int] = ()
+    """Token ids generated so far, the root included (a reference to the engine's growing list: read it in
+    ``begin_cycle``, copy it to keep it)."""
 
 
 class Controller:

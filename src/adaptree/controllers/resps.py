@@ -18,7 +18,9 @@ features, and the choice is kept for N cycles (action caching).
   ``normalize="rms"`` (default) each H-wide group is divided by its root-mean-square first — raw hidden
   states reach magnitudes in the hundreds and would saturate the tanh layers; ``normalize="none"`` feeds
   them raw. The settings travel in the policy's ``config.json`` (``observation``), so training and
-  inference build the same vector (:class:`ReSpSState`).
+  inference build the same vector (:class:`ReSpSState`). ``state="embedding"`` is the paper's ablation: the
+  all-MiniLM-L6-v2 sentence embedding of the context text (prompt + generated so far, decoded with the
+  target's tokenizer; the controller then needs ``tokenizer=``), 384 values.
 * Action caching: the policy runs at the first cycle of a generation (every turn of a conversation is a
   generation: the cache starts empty, as in the paper's Algorithm 2) and then every ``interval`` cycles
   (N = 30 at inference; training uses N = 10, see :mod:`adaptree.rl.resps_train`).
@@ -34,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,7 +50,7 @@ RESPS_DEPTHS = (3, 4, 5, 6, 7, 8)
 """d: tree depth (draft forwards per cycle)."""
 RESPS_TOPKS = (8, 12, 16, 20, 32)
 """k: top-k expansion factor (= beam width W)."""
-STATES = ("concat", "mean")
+STATES = ("concat", "mean", "embedding")
 NORMALIZE = ("rms", "none")
 INTERVAL_INFERENCE = 30
 """The paper's cache interval N at inference (training uses 10)."""
@@ -116,16 +118,24 @@ def action_widths(actions: Iterable[Sequence[int]]) -> tuple[int, ...]:
 
 @dataclass
 class ReSpSState:
-    """How the state vector is built from ``CycleContext.features`` (stored as the policy's ``observation``)."""
+    """How the state vector is built from a cycle's context (stored as the policy's ``observation``)."""
 
     hidden: int
     """H: the target's hidden size; the features hold 3H values (low, mid, high layer outputs)."""
     state: str = "concat"
-    """concat: the three groups side by side, [3H] (the paper); mean: their average, [H] (the public code)."""
+    """concat: the three feature groups side by side, [3H] (the paper); mean: their average, [H] (the public
+    code); embedding: the sentence embedding of the context text (prompt + generated so far, decoded with the
+    target's tokenizer), the paper's SentenceBERT ablation (:mod:`adaptree.models.sentence`)."""
     normalize: str = "rms"
     """rms: each group divided by its root-mean-square first (inputs of order 1); none: raw features."""
     eps: float = 1e-6
     """Added to the mean square before the square root (rms only)."""
+    encoder: str = "all-MiniLM-L6-v2"
+    """embedding only: the encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
+    encoder_dim: int = 384
+    """embedding only: the encoder's output size."""
+    max_tokens: int = 256
+    """embedding only: encoder tokens kept (the end of the context)."""
 
     def __post_init__(self) -> None:
         if int(self.hidden) < 1:
@@ -137,9 +147,13 @@ class ReSpSState:
             raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
+        if int(self.encoder_dim) < 1 or int(self.max_tokens) < 2:
+            raise ValueError(f"encoder_dim must be >= 1 and max_tokens >= 2, got {self.encoder_dim}, {self.max_tokens}")
 
     @property
     def dim(self) -> int:
+        if self.state == "embedding":
+            return self.encoder_dim
         return 3 * self.hidden if self.state == "concat" else self.hidden
 
     def to_dict(self) -> dict:
@@ -151,6 +165,8 @@ class ReSpSState:
 
     def __call__(self, features: torch.Tensor | None) -> torch.Tensor:
         """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]``."""
+        if self.state == "embedding":
+            raise ValueError("the 'embedding' state is built from the context text: use ReSpSState.observer")
         if features is None:
             raise ValueError("Re-SpS needs the target features of the last accepted token (CycleContext.features); "
                              "none were given (a run without a draft head, or traces recorded with "
@@ -164,6 +180,27 @@ class ReSpSState:
         if self.normalize == "rms":
             g = g * torch.rsqrt(g.square().mean(dim=1, keepdim=True) + self.eps)
         return g.reshape(-1) if self.state == "concat" else g.mean(dim=0)
+
+    def observer(self, tokenizer=None) -> Callable[[CycleContext], torch.Tensor]:
+        """``ctx -> [dim]``: the function the controller (inference) and the environments (training) share.
+        Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
+        ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it."""
+        if self.state != "embedding":
+            return lambda ctx: self(ctx.features)
+        if tokenizer is None:
+            raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
+                             "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
+        from ..models.sentence import MINILM, shared_encoder
+
+        enc = shared_encoder(None if self.encoder == MINILM else self.encoder, self.max_tokens)
+        if enc.dim != self.encoder_dim:
+            raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
+                             f"{self.encoder_dim}")
+
+        def observe(ctx: CycleContext) -> torch.Tensor:
+            return enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids)))
+
+        return observe
 
 
 # --------------------------------------------------------------------------------------------- controller
@@ -218,11 +255,12 @@ class ReSpSController(Controller):
 
     :param policy: a loaded :class:`~adaptree.rl.policy.MLPPolicy` of kind ``resps`` (overrides
         ``config.policy``; training evaluates policies in memory this way).
+    :param tokenizer: the target's tokenizer; needed by policies on the ``embedding`` state only.
     """
 
     name = "resps"
 
-    def __init__(self, config: ReSpSConfig | None = None, policy=None) -> None:
+    def __init__(self, config: ReSpSConfig | None = None, policy=None, tokenizer=None) -> None:
         self.config = cfg = config or ReSpSConfig()
         self.policy = (policy if policy is not None else load_policy(cfg.policy)).eval()
         pc = self.policy.config
@@ -240,6 +278,7 @@ class ReSpSController(Controller):
         if cfg.state is not None and cfg.state != self.state.state:
             raise ValueError(f"--resps-state {cfg.state} does not match the policy, which was trained on the "
                              f"{self.state.state!r} state")
+        self.observe = self.state.observer(tokenizer)
         if cfg.temperature is not None:
             self.temperature = float(cfg.temperature)
         else:
@@ -261,7 +300,7 @@ class ReSpSController(Controller):
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         if self.left <= 0 or self.plan is None:
-            a = self.policy.act(self.state(ctx.features), self.temperature, self.gen)
+            a = self.policy.act(self.observe(ctx), self.temperature, self.gen)
             self.plan = self.plans[a]
             self.left = self.config.interval
             self.decisions.append((ctx.cycle, a))

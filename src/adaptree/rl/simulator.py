@@ -193,6 +193,7 @@ def simulate_one(controller: Controller, trace: PromptTrace, latency_model: Late
     eos = frozenset(s.eos_token_ids)
     y = trace.output.tolist()
     n = trace.prompt_len
+    prompt = trace.prompt.tolist()
     clock = time.perf_counter if measure_policy else (lambda: 0.0)
     use_draft = ctl.uses_draft
     feats = torch.from_numpy(trace.features) if (use_draft and trace.features is not None) else None
@@ -213,7 +214,7 @@ def simulate_one(controller: Controller, trace: PromptTrace, latency_model: Late
             raise RuntimeError(f"trace {trace.key!r}: root {j} is past the recorded {trace.end} positions")
         rec = CycleRecord(cycle=len(run.cycles), context_len=L, width=0, depth=0, size=0, candidates=0,
                           accepted=0, emitted=0)
-        ctx = CycleContext(rec.cycle, L, len(tokens), None if feats is None else feats[j].float())
+        ctx = CycleContext(rec.cycle, L, len(tokens), None if feats is None else feats[j].float(), prompt, tokens)
         t0 = clock()
         plan = ctl.begin_cycle(ctx)
         rec.policy_s += clock() - t0
