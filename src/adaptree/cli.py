@@ -143,23 +143,21 @@ def build_controller(args, head, tokenizer=None):
                   "temperature": "resps_temperature"},
     }.get(method, {}))
     opts = {field: getattr(args, attr) for field, attr in flags.items() if getattr(args, attr, None) is not None}
-    if method == "radar" and "policy" not in opts:  # the policy shipped next to the head in use, if any
-        from .controllers.radar import default_policy_path
+    # learned methods: the policies shipped next to the head in use, else next to the default model's head
+    from functools import partial
 
-        found = default_policy_path(getattr(args, "draft_path", None)) or default_policy_path()
-        opts["policy"] = str(found) if found else None
-    if method == "resps" and "policy" not in opts:  # the policy shipped next to the head in use, if any
-        from .controllers.resps import shipped_policy as resps_shipped
+    from .controllers.ltd import shipped_policy as ltd_shipped
+    from .controllers.radar import default_policy_path as radar_shipped
+    from .controllers.resps import shipped_policy as resps_shipped
 
-        found = resps_shipped(getattr(args, "draft_path", None)) or resps_shipped()
-        opts["policy"] = str(found) if found else None
-    if method.startswith("ltd"):  # the policies shipped next to the head in use, if any
-        from .controllers.ltd import shipped_policy
-
-        for kind in ("depth", "size"):
-            if f"{kind}_policy" in flags and f"{kind}_policy" not in opts:
-                found = shipped_policy(kind, getattr(args, "draft_path", None)) or shipped_policy(kind)
-                opts[f"{kind}_policy"] = str(found) if found else None
+    ltd_policies = {f"{kind}_policy": partial(ltd_shipped, kind) for kind in ("depth", "size")}
+    lookups = {"radar": {"policy": radar_shipped}, "resps": {"policy": resps_shipped},
+               "ltd": ltd_policies, "ltd-depth": ltd_policies, "ltd-size": ltd_policies}
+    draft = getattr(args, "draft_path", None)
+    for field, find in lookups.get(method, {}).items():
+        if field in flags and field not in opts:  # ltd-depth has no size policy, ltd-size no depth policy
+            found = find(draft) or find()
+            opts[field] = str(found) if found else None
     if method == "deagle" and "votes" in opts:
         opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
         opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)

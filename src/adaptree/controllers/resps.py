@@ -190,9 +190,9 @@ class ReSpSState:
         if tokenizer is None:
             raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
                              "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
-        from ..models.sentence import MINILM, shared_encoder
+        from ..models.sentence import shared_encoder
 
-        enc = shared_encoder(None if self.encoder == MINILM else self.encoder, self.max_tokens)
+        enc = shared_encoder(self.encoder, self.max_tokens)
         if enc.dim != self.encoder_dim:
             raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
                              f"{self.encoder_dim}")

@@ -72,9 +72,11 @@ class SentenceEncoder:
 _SHARED: dict[tuple[str, int], SentenceEncoder] = {}
 
 
-def shared_encoder(path: str | Path | None = None, max_tokens: int = 256) -> SentenceEncoder:
-    """One encoder per (folder, max_tokens) per process: training builds many controllers."""
-    key = (str(Path(path).resolve()) if path is not None else MINILM, int(max_tokens))
+def shared_encoder(encoder: str | Path = MINILM, max_tokens: int = 256) -> SentenceEncoder:
+    """One encoder per (encoder, max_tokens) per process (training builds many controllers). ``encoder``: the
+    name :data:`MINILM` (the packaged model) or a model folder."""
+    path = None if str(encoder) == MINILM else Path(encoder)
+    key = (str(path.resolve()) if path is not None else MINILM, int(max_tokens))
     if key not in _SHARED:
         _SHARED[key] = SentenceEncoder(path, max_tokens)
     return _SHARED[key]

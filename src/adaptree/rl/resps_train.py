@@ -166,9 +166,9 @@ class ReSpSTrainConfig:
 
     def state_spec(self, hidden: int) -> ReSpSState:
         if self.state == "embedding":
-            from ..models.sentence import MINILM, shared_encoder
+            from ..models.sentence import shared_encoder
 
-            dim = shared_encoder(None if self.encoder == MINILM else self.encoder).dim
+            dim = shared_encoder(self.encoder).dim
             return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim)
         return ReSpSState(hidden, self.state, self.normalize)
 
