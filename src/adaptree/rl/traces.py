@@ -15,12 +15,12 @@ sub-tree follows from the recorded continuation. :func:`record_trace` records, f
 
 How it is computed: one autoregressive run on the :class:`~adaptree.engine.Engine` (plus the
 look-ahead), one target forward over the whole sequence for the features, one draft-head prefill over
-all positions, then for every root: truncate the head cache to the root's context, ``first_step`` with
-the single pending (feature, root) pair and ``step`` to ``max_depth``. The live engine feeds the head
-in chunks (one per accepted path) and takes the features from its tree-verification forwards, so the
-recorded scores can differ from a live run's in the last float bits (tests/test_traces.py measures
-it); the discrete outcome (tokens, beams, selections, accepted lengths) is what the simulator must
-and does reproduce.
+the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
+level for all of them, each root's nodes masked to its own context and ancestors). The live engine
+feeds the head in chunks (one per accepted path), one tree at a time, and takes the features from its
+tree-verification forwards, so the recorded scores can differ from a live run's in the last float bits
+(tests/test_traces.py measures it, and checks the trees against the live engine's); the discrete
+outcome (tokens, beams, selections, accepted lengths) is what the simulator must and does reproduce.
 
 On disk (:func:`save_trace`): one safetensors file per prompt (numpy arrays, no pickles) whose
 metadata key ``adaptree_trace`` holds a JSON header: format version, fingerprints (sha256) of the
@@ -320,19 +320,77 @@ def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: in
 # --------------------------------------------------------------------------------------------------
 
 
-def _step_entropy(step) -> torch.Tensor | None:
-    """Per-row draft entropies of a live DraftStep, where the tree code provides them."""
-    try:
-        ent = step.entropy
-    except (AttributeError, ValueError):
-        return None
-    return ent if isinstance(ent, torch.Tensor) else None
+@torch.inference_mode()
+def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end: int, width: int, max_depth: int,
+               batch: int = 16) -> WidthTrace:
+    """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
+
+    Root ``j`` (context ``ctx = n + j``) is what :class:`~adaptree.tree.DraftTree` grows after consuming the
+    pending pair ``(f_{ctx-1}, y_j)`` over a cache holding the pairs before it; here the pending pairs of
+    ``batch`` roots go through one causal forward (pair ``i`` sees pairs ``< i``: exactly the context root
+    ``j0 + i`` has, and the committed pairs the next chunk starts from), and every later level is one
+    forward over the ``batch * W`` beam nodes, a node seeing its root's pairs and its own ancestors. The
+    expansion rule is DraftTree's (top-W children per row, cumulative log-probs, the level's global
+    top-W as the next beam), applied row-wise per root; tests/test_traces.py checks the trees against
+    the live engine's. ``cache`` must hold the pairs ``t < n - 1`` and room for a chunk's tree.
+    """
+    w, dev = width, feats.device
+    c = num_candidates(w, max_depth)
+    tokens = np.zeros((end, c), np.int32)
+    scores = np.zeros((end, c), np.float32)
+    beam = np.zeros((end, max_depth, w), np.int16)
+    entropy = np.full((end, max_depth, w), np.nan, np.float32)
+
+    def expand(logits, parent_scores):  # logits [R, vocab], parent_scores [R] -> per-row top-W children
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top_lp, top_ids = logp.topk(w, dim=-1)
+        ent = torch.special.entr(logp.exp()).sum(-1)
+        return parent_scores[:, None] + top_lp, head.draft_to_target(top_ids.reshape(-1)), ent
+
+    for j0 in range(0, end, batch):
+        b = min(batch, end - j0)
+        ctx0 = n + j0
+        cache.truncate(ctx0 - 1)
+        if cache.length != ctx0 - 1:
+            raise RuntimeError(f"draft cache holds {cache.length} positions, expected {ctx0 - 1}")
+        out_h, logits = head(feats[:, ctx0 - 1:ctx0 - 1 + b], seq[:, ctx0:ctx0 + b], cache=cache)
+        base_pos = torch.arange(ctx0 - 1, ctx0 - 1 + b, device=dev)  # draft position of each root's input
+        rows_of = torch.arange(b, device=dev)[:, None] * w  # first beam row of each root
+        child, tok, ent = expand(logits[0], torch.zeros(b, device=dev))  # [b, W]
+        level_width = w
+        beam_hidden = out_h[0].repeat_interleave(w, dim=0)  # every depth-1 beam node reads its root's output
+        # Key slots after the committed context: the b pending pairs, then the tree levels as written.
+        see_pairs = torch.ones(b, b, dtype=torch.bool, device=dev).tril_().repeat_interleave(w, dim=0)
+        anc = torch.zeros(b * w, 0, dtype=torch.bool, device=dev)
+        sl = slice(j0, j0 + b)
+        for d in range(1, max_depth + 1):
+            start = level_offset(w, d)
+            tokens[sl, start:start + level_width] = tok.reshape(b, -1).cpu().numpy()
+            scores[sl, start:start + level_width] = child.reshape(b, -1).cpu().numpy()
+            entropy[sl, d - 1, :ent.numel() // b] = ent.reshape(b, -1).cpu().numpy()
+            flat = child.reshape(b, -1)
+            beam_scores, beam_pos = flat.topk(w, dim=-1)  # [b, W] positions within the level
+            beam[sl, d - 1] = beam_pos.cpu().numpy()
+            if d == max_depth:
+                break
+            rows = (torch.div(beam_pos, w, rounding_mode="floor") + (rows_of if d > 1 else 0)).reshape(-1)
+            beam_tokens = tok.reshape(b, -1).gather(1, beam_pos).reshape(1, -1)
+            if d > 1:
+                beam_hidden = out_h[0, rows]
+                anc = mask[rows, b:]
+            mask = torch.cat([see_pairs, anc, torch.eye(b * w, dtype=torch.bool, device=dev)], dim=1)
+            pos = (base_pos + d).repeat_interleave(w)
+            out_h, logits = head(beam_hidden[None], beam_tokens, position_ids=pos, cache=cache, tree_mask=mask)
+            child, tok, ent = expand(logits[0], beam_scores.reshape(-1))  # [b*W, W]
+            level_width = w * w
+    return WidthTrace(w, max_depth, tokens, scores, beam, entropy)
 
 
 @torch.inference_mode()
 def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
                  max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
-                 key: str = "prompt", fingerprints: dict[str, str] | None = None, engine=None) -> PromptTrace:
+                 key: str = "prompt", fingerprints: dict[str, str] | None = None, engine=None,
+                 batch: int = 16) -> PromptTrace:
     """Record the trace of one prompt (see the module docstring).
 
     :param width: one beam width or several (a tree is recorded per width).
@@ -340,9 +398,10 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     :param fingerprints: precomputed ``model``/``head`` digests (hashing a large model once per prompt is waste).
     :param engine: an :class:`~adaptree.engine.Engine` on ``target`` to reuse across prompts (its KV cache
         is allocated once); its EOS set is replaced by the settings' for the run and restored after.
+    :param batch: roots whose trees are grown together (:func:`grow_trees`); the trace does not depend on it
+        beyond the last float bits.
     """
-    from ..engine import TREE_SLOTS, Engine
-    from ..tree import DraftTree
+    from ..engine import Engine
 
     if settings is None:
         widths = (width,) if isinstance(width, int) else tuple(width)
@@ -376,40 +435,13 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     from ..verify import greedy_tokens
     mismatches = int((greedy_tokens(fwd.logits[0]) != seq[0, n:]).sum())
 
-    # Head: one prefill over the committed pairs (f_t, s_{t+1}) for t < n + end - 2, then per root.
-    cache = head.new_cache(eng.max_len + TREE_SLOTS)
-    pre = n + end - 2
-    if pre > 0:
-        head(feats[:, :pre], seq[:, 1:pre + 1], cache=cache, logits_at=slice(-1, None))
-    widths: dict[int, WidthTrace] = {}
-    for w in s.widths:
-        c = num_candidates(w, s.max_depth)
-        tokens = np.zeros((end, c), np.int32)
-        scores = np.zeros((end, c), np.float32)
-        beam = np.zeros((end, s.max_depth, w), np.int16)
-        entropy = np.full((end, s.max_depth, w), np.nan, np.float32)
-        has_entropy = True
-        for j in range(end):
-            ctx = n + j  # target context before root y_j; draft pairs committed: positions < ctx
-            cache.truncate(min(cache.length, ctx - 1))
-            if cache.length != ctx - 1:
-                raise RuntimeError(f"draft cache holds {cache.length} positions, expected {ctx - 1}")
-            tree = DraftTree(head, cache, w, out[j], ctx)
-            step = tree.first_step(feats[:, ctx - 1:ctx], seq[:, ctx:ctx + 1])
-            while True:
-                beam[j, tree.depth - 1] = tree.beam_pos.cpu().numpy()
-                ent = _step_entropy(step)
-                if ent is not None:
-                    entropy[j, tree.depth - 1, :ent.numel()] = ent.float().cpu().numpy()
-                else:
-                    has_entropy = False
-                if tree.depth >= s.max_depth:
-                    break
-                step = tree.step()
-            tokens[j] = tree.candidate_tokens().cpu().numpy()
-            scores[j] = tree.candidate_scores().float().cpu().numpy()
-            tree.discard()
-        widths[w] = WidthTrace(w, s.max_depth, tokens, scores, beam, entropy if has_entropy else None)
+    # Head: one prefill over the committed pairs (f_t, s_{t+1}) for t < n - 1, then the trees of
+    # ``batch`` consecutive roots at a time (grow_trees).
+    width_max = max(s.widths)
+    cache = head.new_cache(eng.max_len + batch * (1 + (s.max_depth - 1) * width_max))
+    if n > 1:
+        head(feats[:, :n - 1], seq[:, 1:n], cache=cache, logits_at=slice(-1, None))
+    widths = {w: grow_trees(head, cache, feats, seq, n, end, w, s.max_depth, batch) for w in s.widths}
     np_dtype = FEATURE_DTYPES[s.feature_dtype]
     features = None
     info = {"full_forward_mismatches": mismatches, "total_len": total}
