@@ -15,7 +15,7 @@ from adaptree.controllers import LEARNED, METHODS, Controller, StaticConfig, Sta
 from adaptree.engine import Engine
 from adaptree.rl.latency import LatencyModel, calibrate
 from adaptree.rl.simulator import ReplayTree, simulate
-from adaptree.rl.traces import (PromptTrace, TraceSettings, TraceStore, acceptance_table, accepted_length,
+from adaptree.rl.traces import (PromptTrace, greedy_outputs, TraceSettings, TraceStore, acceptance_table, accepted_length,
                                 head_fingerprint, load_trace, match_mask, model_fingerprint, num_candidates,
                                 open_store_for, record_trace, save_trace)
 
@@ -216,6 +216,30 @@ def test_trees_do_not_depend_on_how_many_roots_grow_together(models, traces, bat
             assert np.allclose(ot.scores[equal], wt.scores[equal], atol=1e-5, rtol=0)
             assert np.allclose(ot.entropy[equal], wt.entropy[equal], atol=1e-5, rtol=0, equal_nan=True)
     assert same >= 0.97 * total
+
+
+def test_batched_greedy_outputs_equal_the_engines(models, traces):
+    """greedy_outputs (prompts of different lengths left-padded into one batch) gives each prompt the
+    engine's output, end and stop reason: the token limit, EOS (a token the outputs contain), the
+    context limit (with and without room for the look-ahead)."""
+    target, head = models
+    eos = (int(traces[0].output[4]), int(traces[2].output[9]))
+    for s in (SETTINGS, TraceSettings(widths=(3,), max_depth=4, max_new_tokens=40, eos_token_ids=eos),
+              TraceSettings(widths=(3,), max_depth=4, max_new_tokens=100, max_seq_len=28)):
+        outs = greedy_outputs(target, PROMPTS, s.max_new_tokens, s.eos_token_ids, s.max_seq_len, s.max_depth + 1)
+        refs = traces if s is SETTINGS else [record_trace(target, head, p, settings=s) for p in PROMPTS]
+        for ref, (tokens, end, stop) in zip(refs, outs):
+            assert (tokens, end, stop) == (ref.output.tolist(), ref.end, ref.stop_reason)
+        if s.eos_token_ids:
+            assert {r.stop_reason for r in refs} >= {"eos"}
+        if s.max_seq_len:
+            assert {r.stop_reason for r in refs} == {"context_limit"}
+        # the recorded trace is the same whichever way its output was computed
+        for p, ref, o in zip(PROMPTS, refs, outs):
+            other = record_trace(target, head, p, settings=s, output=o)
+            assert all(np.array_equal(other.width(w).tokens, ref.width(w).tokens) for w in s.widths)
+    with pytest.raises(ValueError, match="context limit is 28"):
+        greedy_outputs(target, [[1] * 28], 4, max_len=28)
 
 
 def test_features_recorded(models, traces):

@@ -154,21 +154,22 @@ def build_attn_mask(cache_len: int, tree_mask: torch.Tensor | None, t: int, devi
     ``tree_mask`` is ``[T, K]`` with ``T <= K <= cache_len + T`` and covers the LAST ``K`` key slots
     (the new tokens are the last ``T``); every slot before them is visible to every new token.
     ``K = T`` is plain tree attention among the new tokens; a larger ``K`` also masks throw-away
-    cache entries (the draft head's earlier tree levels). None means causal.
+    cache entries (the draft head's earlier tree levels). None means causal. A ``[B, T, K]`` mask
+    (one per batch row: padded batches) gives ``[B, 1, T, cache_len + T]``.
     """
     if tree_mask is None:
         if t == 1:
             return None
         tree_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril_()
     k = tree_mask.shape[-1]
-    if tree_mask.dim() != 2 or tree_mask.shape[0] != t or not t <= k <= cache_len + t:
+    if tree_mask.dim() not in (2, 3) or tree_mask.shape[-2] != t or not t <= k <= cache_len + t:
         raise ValueError(f"tree_mask of shape {tuple(tree_mask.shape)} does not fit {t} new tokens "
                          f"after {cache_len} cached ones")
     tree_mask = tree_mask.to(device=device, dtype=torch.bool)
-    if k == cache_len + t:
-        return tree_mask
-    prefix = torch.ones(t, cache_len + t - k, dtype=torch.bool, device=device)
-    return torch.cat([prefix, tree_mask], dim=1)
+    if k < cache_len + t:
+        prefix = torch.ones(*tree_mask.shape[:-1], cache_len + t - k, dtype=torch.bool, device=device)
+        tree_mask = torch.cat([prefix, tree_mask], dim=-1)
+    return tree_mask.unsqueeze(1) if tree_mask.dim() == 3 else tree_mask
 
 
 class Attention(nn.Module):
@@ -299,6 +300,7 @@ class Transformer(nn.Module):
         :param cache: KV cache; the new tokens are appended at ``cache.length`` and see the whole prefix.
         :param tree_mask: boolean ``[T, K]`` over the last K key slots (see :func:`build_attn_mask`);
             with ``K = T`` entry (i, j) lets new token i attend new token j. None means causal.
+            ``[B, T, K]``: one mask per batch row (left-padded batches).
         :param features: also return EAGLE-3's low/mid/high features for all new positions.
         :param logits_at: index or slice into the T new positions; logits only there.
         """

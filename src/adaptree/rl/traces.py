@@ -321,6 +321,72 @@ def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: in
 
 
 @torch.inference_mode()
+def greedy_outputs(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Sequence[int] = (),
+                   max_len: int | None = None, lookahead: int = 0) -> list[tuple[list[int], int, str]]:
+    """The engine's greedy autoregressive output of several prompts at once: per prompt ``(tokens, end,
+    stop_reason)`` with ``tokens[:end]`` what :meth:`Engine.generate <adaptree.engine.Engine.generate>`
+    emits (EOS kept; stops ``eos``, ``max_new_tokens``, ``context_limit`` as there) followed by up to
+    ``lookahead`` more tokens (no EOS stop; :func:`record_trace`'s look-ahead).
+
+    The prompts are left-padded into one batch (padding masked out of every row's attention, true
+    positions for the rotary embedding), so one target forward per token serves all of them: on a
+    CPU a batch-1 step reads every weight for one token, and a batch of 8 costs little more.
+    Batch shapes round differently from batch 1, so on a near-tie a row could take the other token
+    than the engine would; ``record_trace`` counts the tokens its full forward disagrees with.
+    """
+    from ..verify import greedy_tokens
+
+    max_len = min(max_len or target.max_seq_len, target.max_seq_len)
+    eos = set(int(t) for t in eos_token_ids)
+    lens = [len(p) for p in prompts]
+    if not prompts or min(lens) == 0:
+        raise ValueError("every prompt needs at least one token")
+    if max(lens) >= max_len:
+        raise ValueError(f"a prompt has {max(lens)} tokens; the context limit is {max_len}, leaving no room")
+    b, width, dev = len(prompts), max(lens), target.device
+    # A row may emit min(max_new_tokens, max_len - n + 1) tokens, then look ahead while the context has room.
+    limit = [min(max_new_tokens, max_len - n + 1) for n in lens]
+    steps = max(min(max_new_tokens + lookahead, max_len - n + 1) for n in lens)
+    pad = torch.tensor([width - n for n in lens], device=dev)
+    ids = torch.zeros(b, width, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor([int(t) for t in p], device=dev)
+    slots = torch.arange(width, device=dev)
+    visible = slots[None] >= pad[:, None]  # [B, K]: key slots holding a real token
+    mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril_() & visible[:, None, :]
+    mask |= torch.eye(width, dtype=torch.bool, device=dev)  # padding rows see themselves (no NaN rows)
+    cache = target.new_cache(width + steps, batch=b)
+    out = target(ids, position_ids=(slots[None] - pad[:, None]).clamp_(min=0), cache=cache, tree_mask=mask,
+                 logits_at=slice(-1, None))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    ends: list[int | None] = [None] * b
+    stops = [""] * b
+    want = [steps] * b  # tokens each row needs (known once its end is)
+    next_pos = torch.tensor(lens, device=dev)
+    for _ in range(steps):
+        tok = greedy_tokens(out.logits[:, -1])
+        for i, t in enumerate(tok.tolist()):
+            if len(tokens[i]) >= want[i]:
+                continue
+            tokens[i].append(t)
+            if ends[i] is None:
+                k = len(tokens[i])
+                stop = "eos" if t in eos else "max_new_tokens" if k >= max_new_tokens else \
+                    "context_limit" if k >= limit[i] else ""
+                if stop:
+                    ends[i], stops[i] = k, stop
+                    room = lens[i] + k < max_len
+                    want[i] = k + (min(lookahead, max_len - lens[i] - k + 1) if room else 0)
+        if all(len(t) >= w for t, w in zip(tokens, want)):
+            break
+        visible = torch.cat([visible, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
+        pos = next_pos.clamp(max=max_len - 1)[:, None]  # rows already done run on, their tokens unused
+        out = target(tok[:, None], position_ids=pos, cache=cache, tree_mask=visible[:, None, :])
+        next_pos += 1
+    return [(t[:w], int(e), s) for t, w, e, s in zip(tokens, want, ends, stops)]
+
+
+@torch.inference_mode()
 def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end: int, width: int, max_depth: int,
                batch: int = 16) -> WidthTrace:
     """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
@@ -390,7 +456,7 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
 def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
                  max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
                  key: str = "prompt", fingerprints: dict[str, str] | None = None, engine=None,
-                 batch: int = 16) -> PromptTrace:
+                 batch: int = 16, output: tuple[Sequence[int], int, str] | None = None) -> PromptTrace:
     """Record the trace of one prompt (see the module docstring).
 
     :param width: one beam width or several (a tree is recorded per width).
@@ -400,6 +466,8 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
         is allocated once); its EOS set is replaced by the settings' for the run and restored after.
     :param batch: roots whose trees are grown together (:func:`grow_trees`); the trace does not depend on it
         beyond the last float bits.
+    :param output: the greedy output already computed (``(tokens with look-ahead, end, stop_reason)``, one
+        item of :func:`greedy_outputs`); the engine run is skipped.
     """
     from ..engine import Engine
 
@@ -410,22 +478,25 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     s = settings
     prompt = [int(t) for t in prompt_ids]
     n = len(prompt)
-    eng = engine if engine is not None else Engine(target, None, max_seq_len=s.max_seq_len)
-    want_len = min(s.max_seq_len or target.max_seq_len, target.max_seq_len)
-    if eng.target is not target or eng.max_len != want_len:
-        raise ValueError(f"the engine given runs another target or context limit ({eng.max_len}, settings: {want_len})")
-    saved_eos = eng.eos
-    try:
-        eng.eos = frozenset(s.eos_token_ids)
-        res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
-        out = list(res.token_ids)
-        end, stop = len(out), res.stop_reason
-        if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
-            eng.eos = frozenset()
-            more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
-            out += more.token_ids
-    finally:
-        eng.eos = saved_eos
+    max_len = min(s.max_seq_len or target.max_seq_len, target.max_seq_len)
+    if engine is not None and (engine.target is not target or engine.max_len != max_len):
+        raise ValueError(f"the engine given runs another target or context limit ({engine.max_len}, settings: {max_len})")
+    if output is not None:
+        out, end, stop = list(output[0]), int(output[1]), str(output[2])
+    else:
+        eng = engine if engine is not None else Engine(target, None, max_seq_len=s.max_seq_len)
+        saved_eos = eng.eos
+        try:
+            eng.eos = frozenset(s.eos_token_ids)
+            res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
+            out = list(res.token_ids)
+            end, stop = len(out), res.stop_reason
+            if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
+                eng.eos = frozenset()
+                more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
+                out += more.token_ids
+        finally:
+            eng.eos = saved_eos
     seq = torch.tensor([prompt + out], dtype=torch.long, device=target.device)
     total = seq.shape[1]
 
@@ -438,7 +509,7 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     # Head: one prefill over the committed pairs (f_t, s_{t+1}) for t < n - 1, then the trees of
     # ``batch`` consecutive roots at a time (grow_trees).
     width_max = max(s.widths)
-    cache = head.new_cache(eng.max_len + batch * (1 + (s.max_depth - 1) * width_max))
+    cache = head.new_cache(max_len + batch * (1 + (s.max_depth - 1) * width_max))
     if n > 1:
         head(feats[:, :n - 1], seq[:, 1:n], cache=cache, logits_at=slice(-1, None))
     widths = {w: grow_trees(head, cache, feats, seq, n, end, w, s.max_depth, batch) for w in s.widths}
@@ -455,7 +526,7 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     fps.setdefault("head", head_fingerprint(head))
     fps["settings"] = s.fingerprint()
     return PromptTrace(key=key, prompt=np.asarray(prompt, np.int32), output=np.asarray(out, np.int32), end=end,
-                       stop_reason=stop, max_len=eng.max_len, settings=s, widths=widths, features=features,
+                       stop_reason=stop, max_len=max_len, settings=s, widths=widths, features=features,
                        fingerprints=fps, info=info)
 
 
@@ -601,26 +672,34 @@ class TraceStore:
     def load_all(self) -> list[PromptTrace]:
         return [load_trace(p, self.fingerprints) for p in self.keys_on_disk()]
 
-    def record(self, target, head, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True) -> dict:
-        """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped)."""
+    def record(self, target, head, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True,
+               prompt_batch: int = 8) -> dict:
+        """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped).
+
+        The greedy outputs of ``prompt_batch`` prompts at a time come from one batched autoregressive run
+        (:func:`greedy_outputs`); every trace is saved as soon as it is complete (an interrupted
+        recording resumes from the prompts already stored).
+        """
         from tqdm import tqdm
 
-        from ..engine import Engine
-
+        if prompt_batch < 1:
+            raise ValueError(f"prompt_batch must be >= 1, got {prompt_batch}")
         fps = {"model": self.fingerprints["model"], "head": self.fingerprints["head"]}
-        engine = None
-        done = skipped = 0
-        bar = tqdm(prompts, desc="traces", unit="prompt", disable=not progress)
-        for key, ids in bar:
-            if self.has(key, ids):
-                skipped += 1
-                continue
-            if engine is None:
-                engine = Engine(target, None, max_seq_len=self.settings.max_seq_len)
-            trace = record_trace(target, head, ids, settings=self.settings, key=key, fingerprints=fps, engine=engine)
-            self.put(trace)
-            done += 1
-            bar.set_postfix(recorded=done, skipped=skipped)
+        s = self.settings
+        # Prompts of similar lengths share a batch (less padding).
+        todo = sorted(((k, ids) for k, ids in prompts if not self.has(k, ids)), key=lambda p: len(p[1]))
+        skipped, done = len(prompts) - len(todo), 0
+        bar = tqdm(total=len(prompts), initial=skipped, desc="traces", unit="prompt", disable=not progress)
+        for i in range(0, len(todo), prompt_batch):
+            chunk = todo[i:i + prompt_batch]
+            outs = greedy_outputs(target, [ids for _, ids in chunk], s.max_new_tokens, s.eos_token_ids,
+                                  s.max_seq_len, lookahead=s.max_depth + 1)
+            for (key, ids), output in zip(chunk, outs):
+                self.put(record_trace(target, head, ids, settings=s, key=key, fingerprints=fps, output=output))
+                done += 1
+                bar.update(1)
+                bar.set_postfix(recorded=done, skipped=skipped)
+        bar.close()
         return {"recorded": done, "skipped": skipped}
 
 
