@@ -103,7 +103,14 @@ def main() -> None:
         r["fraction_of_oracle_gain"] = fraction_of_oracle_gain(r["modelled_speedup"], orc.speedup)
     (out / "ablations.json").write_text(json.dumps({"eval_traces": args.eval_traces, "latency": args.latency,
                                                     "ltd_run": args.ltd_run, "rows": rows}, indent=2) + "\n")
-    lines = ["| variant | modelled speedup vs AR | τ | mean depth | mean V | fraction of oracle gain |",
+    table = markdown_table(rows, "variant")
+    (out / "ablations.md").write_text(table + "\n")
+    print(table)
+
+
+def markdown_table(rows: dict[str, dict], first: str) -> str:
+    """The rows (name -> evaluate()-style dict with ``fraction_of_oracle_gain``) as a markdown table."""
+    lines = [f"| {first} | modelled speedup vs AR | τ | mean depth | mean V | fraction of oracle gain |",
              "|---|---|---|---|---|---|"]
 
     def f(x, p=3):
@@ -112,8 +119,7 @@ def main() -> None:
     for name, r in rows.items():
         lines.append(f"| {name} | {f(r['modelled_speedup'])}x | {f(r.get('tau'), 2)} | {f(r.get('mean_depth'), 2)} | "
                      f"{f(r.get('mean_size'), 1)} | {f(r['fraction_of_oracle_gain'], 2)} |")
-    (out / "ablations.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from adaptree.rl.ltd_train import evaluate
 from adaptree.rl.oracle import fraction_of_oracle_gain, oracle_all
 from adaptree.rl.policy import MLPPolicy
 from adaptree.rl.traces import TraceStore, acceptance_table, num_candidates
+from ltd_ablations import markdown_table  # scripts/, next to this file
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 DEPTHS = (1, 2, 3, 4, 5, 6)
@@ -155,16 +156,9 @@ def main() -> None:
                                                    "latency": args.latency, "rows": rows, "fitted": fitted},
                                                   indent=2) + "\n")
 
-    def f(x, p=3):
-        return "—" if x is None else f"{x:.{p}f}"
-
-    lines = ["| controller | modelled speedup vs AR | τ | mean depth | mean V | fraction of oracle gain |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {f(r['modelled_speedup'])}x | {f(r.get('tau'), 2)} | {f(r.get('mean_depth'), 2)} | "
-                     f"{f(r.get('mean_size'), 1)} | {f(r['fraction_of_oracle_gain'], 2)} |")
-    (out / "headroom.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    table = markdown_table(rows, "controller")
+    (out / "headroom.md").write_text(table + "\n")
+    print(table)
 
 
 if __name__ == "__main__":
