@@ -133,3 +133,36 @@ def test_shipped_policies_load_and_are_lossless(smollm2, shipped_engine):
         res = eng.generate(ids, make_controller(method), max_new_tokens=32)
         assert res.token_ids == ar.token_ids, method
         assert res.tau > 1.0 and all(c.depth >= 1 for c in res.cycles), method
+
+
+def test_batched_trace_recording_matches_the_engine_on_the_real_model(smollm2, shipped_engine):
+    """Trace recording's batched paths on the real model (float32): the left-padded greedy run of
+    prompts of different lengths gives the engine's outputs, and the trees grown 16 roots at a time
+    are the live engine's (the first cycle's tree of a static run, every level)."""
+    from adaptree.rl.traces import TraceSettings, greedy_outputs, record_trace
+
+    target, tok = smollm2
+    eng = shipped_engine
+    prompts = [tok.apply_chat([{"role": "user", "content": t}]) for t in
+               ("Name a colour.", "Write a Python function that checks whether a number is prime.")]
+    assert len(prompts[0]) != len(prompts[1])
+    outs = greedy_outputs(target, prompts, 32, tok.eos_token_ids, lookahead=4)
+    for ids, (tokens, end, stop) in zip(prompts, outs):
+        ar = eng.generate(ids, None, max_new_tokens=32)
+        assert tokens[:end] == ar.token_ids and stop == ar.stop_reason
+    seen = []
+
+    class FirstTree(StaticController):
+        def choose_size(self, tree, plan):
+            if not seen:
+                seen.append((tree.candidate_tokens().clone(), tree.candidate_scores().clone()))
+            return plan.size
+
+    ids = prompts[1]
+    eng.generate(ids, FirstTree(StaticConfig(10, 4, 10)), max_new_tokens=8)
+    tr = record_trace(target, eng.head, ids, settings=TraceSettings(widths=(10,), max_depth=4, max_new_tokens=32,
+                                                                    eos_token_ids=tuple(tok.eos_token_ids)),
+                      output=outs[1])
+    tokens, scores = seen[0]
+    assert torch.equal(torch.from_numpy(tr.width(10).tokens[0]).long(), tokens)
+    assert torch.allclose(torch.from_numpy(tr.width(10).scores[0]), scores, atol=1e-3)
