@@ -13,8 +13,9 @@ sub-tree follows from the recorded continuation. :func:`record_trace` records, f
 - the target's low/mid/high features of the last accepted position (what a controller sees as
   ``CycleContext.features``), float16 by default.
 
-How it is computed: one autoregressive run on the :class:`~adaptree.engine.Engine` (plus the
-look-ahead), one target forward over the whole sequence for the features, one draft-head prefill over
+How it is computed: the greedy output (one autoregressive run on the :class:`~adaptree.engine.Engine`
+plus the look-ahead; a :class:`TraceStore` computes 8 prompts' at once with :func:`greedy_outputs`),
+one target forward over the whole sequence for the features, one draft-head prefill over
 the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
 level for all of them, each root's nodes masked to its own context and ancestors). The live engine
 feeds the head in chunks (one per accepted path), one tree at a time, and takes the features from its
@@ -416,9 +417,9 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
     for j0 in range(0, end, batch):
         b = min(batch, end - j0)
         ctx0 = n + j0
+        if cache.length < ctx0 - 1:
+            raise RuntimeError(f"draft cache holds {cache.length} positions, expected at least {ctx0 - 1}")
         cache.truncate(ctx0 - 1)
-        if cache.length != ctx0 - 1:
-            raise RuntimeError(f"draft cache holds {cache.length} positions, expected {ctx0 - 1}")
         out_h, logits = head(feats[:, ctx0 - 1:ctx0 - 1 + b], seq[:, ctx0:ctx0 + b], cache=cache)
         base_pos = torch.arange(ctx0 - 1, ctx0 - 1 + b, device=dev)  # draft position of each root's input
         rows_of = torch.arange(b, device=dev)[:, None] * w  # first beam row of each root
