@@ -424,24 +424,23 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
         base_pos = torch.arange(ctx0 - 1, ctx0 - 1 + b, device=dev)  # draft position of each root's input
         rows_of = torch.arange(b, device=dev)[:, None] * w  # first beam row of each root
         child, tok, ent = expand(logits[0], torch.zeros(b, device=dev))  # [b, W]
-        level_width = w
         beam_hidden = out_h[0].repeat_interleave(w, dim=0)  # every depth-1 beam node reads its root's output
         # Key slots after the committed context: the b pending pairs, then the tree levels as written.
         see_pairs = torch.ones(b, b, dtype=torch.bool, device=dev).tril_().repeat_interleave(w, dim=0)
         anc = torch.zeros(b * w, 0, dtype=torch.bool, device=dev)
         sl = slice(j0, j0 + b)
         for d in range(1, max_depth + 1):
-            start = level_offset(w, d)
-            tokens[sl, start:start + level_width] = tok.reshape(b, -1).cpu().numpy()
-            scores[sl, start:start + level_width] = child.reshape(b, -1).cpu().numpy()
-            entropy[sl, d - 1, :ent.numel() // b] = ent.reshape(b, -1).cpu().numpy()
+            start, level = level_offset(w, d), tok.reshape(b, -1)  # W (level 1) or W*W children per root
             flat = child.reshape(b, -1)
+            tokens[sl, start:start + level.shape[1]] = level.cpu().numpy()
+            scores[sl, start:start + level.shape[1]] = flat.cpu().numpy()
+            entropy[sl, d - 1, :ent.numel() // b] = ent.reshape(b, -1).cpu().numpy()
             beam_scores, beam_pos = flat.topk(w, dim=-1)  # [b, W] positions within the level
             beam[sl, d - 1] = beam_pos.cpu().numpy()
             if d == max_depth:
                 break
             rows = (torch.div(beam_pos, w, rounding_mode="floor") + (rows_of if d > 1 else 0)).reshape(-1)
-            beam_tokens = tok.reshape(b, -1).gather(1, beam_pos).reshape(1, -1)
+            beam_tokens = level.gather(1, beam_pos).reshape(1, -1)
             if d > 1:
                 beam_hidden = out_h[0, rows]
                 anc = mask[rows, b:]
@@ -449,22 +448,19 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
             pos = (base_pos + d).repeat_interleave(w)
             out_h, logits = head(beam_hidden[None], beam_tokens, position_ids=pos, cache=cache, tree_mask=mask)
             child, tok, ent = expand(logits[0], beam_scores.reshape(-1))  # [b*W, W]
-            level_width = w * w
     return WidthTrace(w, max_depth, tokens, scores, beam, entropy)
 
 
 @torch.inference_mode()
 def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
                  max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
-                 key: str = "prompt", fingerprints: dict[str, str] | None = None, engine=None,
-                 batch: int = 16, output: tuple[Sequence[int], int, str] | None = None) -> PromptTrace:
+                 key: str = "prompt", fingerprints: dict[str, str] | None = None, batch: int = 16,
+                 output: tuple[Sequence[int], int, str] | None = None) -> PromptTrace:
     """Record the trace of one prompt (see the module docstring).
 
     :param width: one beam width or several (a tree is recorded per width).
     :param settings: overrides ``max_new_tokens``, ``width``, ``max_depth`` and ``eos_token_ids``.
     :param fingerprints: precomputed ``model``/``head`` digests (hashing a large model once per prompt is waste).
-    :param engine: an :class:`~adaptree.engine.Engine` on ``target`` to reuse across prompts (its KV cache
-        is allocated once); its EOS set is replaced by the settings' for the run and restored after.
     :param batch: roots whose trees are grown together (:func:`grow_trees`); the trace does not depend on it
         beyond the last float bits.
     :param output: the greedy output already computed (``(tokens with look-ahead, end, stop_reason)``, one
@@ -480,24 +476,17 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     prompt = [int(t) for t in prompt_ids]
     n = len(prompt)
     max_len = min(s.max_seq_len or target.max_seq_len, target.max_seq_len)
-    if engine is not None and (engine.target is not target or engine.max_len != max_len):
-        raise ValueError(f"the engine given runs another target or context limit ({engine.max_len}, settings: {max_len})")
     if output is not None:
         out, end, stop = list(output[0]), int(output[1]), str(output[2])
     else:
-        eng = engine if engine is not None else Engine(target, None, max_seq_len=s.max_seq_len)
-        saved_eos = eng.eos
-        try:
-            eng.eos = frozenset(s.eos_token_ids)
-            res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
-            out = list(res.token_ids)
-            end, stop = len(out), res.stop_reason
-            if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
-                eng.eos = frozenset()
-                more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
-                out += more.token_ids
-        finally:
-            eng.eos = saved_eos
+        eng = Engine(target, None, eos_token_ids=s.eos_token_ids, max_seq_len=s.max_seq_len)
+        res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
+        out = list(res.token_ids)
+        end, stop = len(out), res.stop_reason
+        if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
+            eng.eos = frozenset()
+            more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
+            out += more.token_ids
     seq = torch.tensor([prompt + out], dtype=torch.long, device=target.device)
     total = seq.shape[1]
 
