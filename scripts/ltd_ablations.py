@@ -23,13 +23,13 @@ import argparse
 import json
 from pathlib import Path
 
-from adaptree.controllers import StaticConfig, StaticController
-from adaptree.controllers.ltd import LTDConfig, LTDController
-from adaptree.rl.latency import load_checked
-from adaptree.rl.ltd_train import LTDTrainConfig, evaluate, train_ltd
-from adaptree.rl.oracle import best_static, fraction_of_oracle_gain, oracle_all
-from adaptree.rl.policy import MLPPolicy
-from adaptree.rl.traces import TraceStore
+from adaptree.methods import StaticConfig, StaticController
+from adaptree.methods.ltd.controller import LTDConfig, LTDController
+from adaptree.methods.ltd.train import LTDTrainConfig, evaluate, train_ltd
+from adaptree.offline.latency import load_checked
+from adaptree.offline.oracle import best_static, fraction_of_oracle_gain, oracle_all
+from adaptree.offline.policy import MLPPolicy
+from adaptree.offline.traces import TraceStore
 
 VARIANTS = {  # name -> LTDTrainConfig overrides (size policy alone)
     "reward=acceptance": dict(reward="acceptance"),

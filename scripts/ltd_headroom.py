@@ -27,16 +27,16 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from adaptree.controllers import StaticConfig, StaticController
-from adaptree.controllers.base import Controller, TreePlan
-from adaptree.controllers.ltd import SHIPPED, LTDConfig, LTDController
-from adaptree.rl.latency import load_checked
-from adaptree.rl.ltd_train import evaluate
-from adaptree.rl.oracle import fraction_of_oracle_gain, oracle_all
-from adaptree.rl.policy import MLPPolicy
-from adaptree.rl.traces import TraceStore, acceptance_table, num_candidates
 from ltd_ablations import markdown_table  # scripts/, next to this file
+
+from adaptree.core.controller import Controller, TreePlan
+from adaptree.methods import StaticConfig, StaticController
+from adaptree.methods.ltd.controller import SHIPPED, LTDConfig, LTDController
+from adaptree.methods.ltd.train import evaluate
+from adaptree.offline.latency import load_checked
+from adaptree.offline.oracle import fraction_of_oracle_gain, oracle_all
+from adaptree.offline.policy import MLPPolicy
+from adaptree.offline.traces import TraceStore, acceptance_table, num_candidates
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 DEPTHS = (1, 2, 3, 4, 5, 6)

@@ -9,12 +9,24 @@ import numpy as np
 import pytest
 
 from adaptree.bench.report import summarize, write_report
-from adaptree.bench.runner import BenchConfig, bench_loop, check_out_dir, finish, read_records
-from adaptree.bench.stats import (acceptance_by_position, bootstrap_ratio_ci, bootstrap_throughput_ratio_ci, ratio_of_sums,
-                                  throughput_ratio, wilcoxon_paired)
-from adaptree.controllers import StaticConfig, StaticController, make_controller
+from adaptree.bench.runner import (
+    BenchConfig,
+    bench_loop,
+    check_out_dir,
+    finish,
+    read_records,
+)
+from adaptree.bench.stats import (
+    acceptance_by_position,
+    bootstrap_ratio_ci,
+    bootstrap_throughput_ratio_ci,
+    ratio_of_sums,
+    throughput_ratio,
+    wilcoxon_paired,
+)
+from adaptree.core.engine import Engine
 from adaptree.data.prompts import Prompt
-from adaptree.engine import Engine
+from adaptree.methods import StaticConfig, StaticController, make_controller
 
 
 def _encode(messages):

@@ -8,17 +8,17 @@ import math
 import os
 
 import pytest
+from test_bench import _decode, _encode  # the toy chat template of the bench tests
 
 from adaptree.bench import oracle_section as osec
 from adaptree.bench.report import write_report
 from adaptree.bench.runner import BenchConfig, bench_loop, finish
-from adaptree.controllers import StaticConfig, StaticController, make_controller
+from adaptree.core.engine import Engine
 from adaptree.data.prompts import Prompt
-from adaptree.engine import Engine
-from adaptree.rl.latency import LatencyModel, machine_meta
-from adaptree.rl.oracle import fraction_of_oracle_gain, oracle_all
-from adaptree.rl.simulator import simulate
-from test_bench import _decode, _encode  # the toy chat template of the bench tests
+from adaptree.methods import StaticConfig, StaticController, make_controller
+from adaptree.offline.latency import LatencyModel, machine_meta
+from adaptree.offline.oracle import fraction_of_oracle_gain, oracle_all
+from adaptree.offline.simulator import simulate
 
 LAT = LatencyModel([2e-3, 1e-4, 1e-6, 1e-8], [8e-3, 2e-4, 2e-6, 1e-8], other_s=5e-4)
 
@@ -135,7 +135,7 @@ def test_run_oracle_builds_the_bench_methods_with_their_flags(tiny_pair, tmp_pat
     assert store_settings["eos_token_ids"] == [15] and store_settings["max_new_tokens"] == cfg.max_new_tokens
     toy = sec["datasets"]["toy"]["methods"]
     assert set(toy) == {"ar", "static", "deagle"} and all("error" not in r for r in toy.values())
-    from adaptree.rl.traces import TraceStore
+    from adaptree.offline.traces import TraceStore
 
     trs = [t for t in TraceStore(tmp_path / "b" / "traces").load_all() if t.key.startswith("toy/")]
     sim = simulate(make_controller("static", width=4), trs, LAT, measure_policy=False)  # -W 4, default D and V

@@ -13,11 +13,22 @@ import math
 import pytest
 import torch
 
-from adaptree.rl.calibration import (CalibrationConfig, cycle_errors, live_cycles, parse_shapes, run_calibration,
-                                     split_records, validate_models)
-from adaptree.rl.latency import LatencyModel, check_machine, load_checked, machine_meta
-from adaptree.rl.traces import head_fingerprint, model_fingerprint
-
+from adaptree.offline.calibration import (
+    CalibrationConfig,
+    cycle_errors,
+    live_cycles,
+    parse_shapes,
+    run_calibration,
+    split_records,
+    validate_models,
+)
+from adaptree.offline.latency import (
+    LatencyModel,
+    check_machine,
+    load_checked,
+    machine_meta,
+)
+from adaptree.offline.traces import head_fingerprint, model_fingerprint
 
 TRUE = LatencyModel([1e-3, 2e-4, 1e-6, 3e-8], [5e-3, 1e-5, 2e-6, 1e-9], other_s=4e-4)
 
@@ -115,7 +126,7 @@ def test_parse_shapes_and_config_errors():
 
 
 def test_live_cycles_and_run_calibration_on_tiny_models(models):
-    from adaptree.engine import Engine
+    from adaptree.core.engine import Engine
 
     target, head = models
     engine = Engine(target, head)
@@ -232,7 +243,7 @@ def test_calibrate_cli_without_validation_and_bad_input(tmp_path, models, monkey
 
 def test_simulate_warns_about_a_latency_model_from_another_machine(tmp_path, models, capsys):
     from adaptree.cli import main
-    from adaptree.rl.traces import TraceSettings, open_store_for
+    from adaptree.offline.traces import TraceSettings, open_store_for
 
     target, head = models
     store = open_store_for(tmp_path / "tr", target, head, TraceSettings(widths=(4,), max_depth=3, max_new_tokens=6))

@@ -9,11 +9,22 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from adaptree.controllers import (METHODS, CycleContext, DDDConfig, DDDController, DeagleConfig, DeagleController,
-                                  GammatuneConfig, GammatuneController, SVIPConfig, SVIPController, make_controller)
-from adaptree.engine import Engine
-from adaptree.records import CycleRecord
-from adaptree.tree import DraftStep, DraftTree
+from adaptree.core.engine import Engine
+from adaptree.core.records import CycleRecord
+from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.methods import (
+    METHODS,
+    CycleContext,
+    DDDConfig,
+    DDDController,
+    DeagleConfig,
+    DeagleController,
+    GammatuneConfig,
+    GammatuneController,
+    SVIPConfig,
+    SVIPController,
+    make_controller,
+)
 
 NEW = ("deagle", "ddd", "svip", "gammatune")
 CTX = CycleContext(cycle=0, context_len=5, generated=1, features=None)
@@ -252,21 +263,20 @@ def test_cli_flags_reach_every_method(tmp_path):
     import json
 
     from adaptree.cli import build_controller, build_parser
-
-    from adaptree.rl.radar import RadarModelConfig, RadarPolicy
+    from adaptree.methods.radar.policy import RadarModelConfig, RadarPolicy
 
     tuned = tmp_path / "static_gs.json"
     tuned.write_text(json.dumps({"width": 5, "depth": 3, "size": 12}))
     RadarPolicy(RadarModelConfig(width=4, max_depth=8, hidden=8)).save(tmp_path / "radar")
-    from adaptree.controllers.ltd import LTD_SIZES, LTDObservation
-    from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
+    from adaptree.methods.ltd.controller import LTD_SIZES, LTDObservation
+    from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
 
     obs = LTDObservation(width=4, max_depth=10)
     MLPPolicy(MLPPolicyConfig("ltd-depth", obs.depth_dim, [0, 1], [8], observation=obs.to_dict())).save(
         tmp_path / "ltd-depth")
     MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(LTD_SIZES), [8], observation=obs.to_dict())).save(
         tmp_path / "ltd-size")
-    from adaptree.controllers.resps import ReSpSState, resps_actions
+    from adaptree.methods.resps.controller import ReSpSState, resps_actions
 
     MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
                               observation=ReSpSState(32).to_dict())).save(tmp_path / "resps")

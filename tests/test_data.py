@@ -13,7 +13,11 @@ import pytest
 from adaptree.data import chat, prompts, sharegpt, splits
 from adaptree.data.chat import conversation_turns, turn_messages
 from adaptree.data.prompts import Prompt, load_dataset
-from adaptree.data.sharegpt import iter_json_array, iter_sharegpt, normalize_conversation
+from adaptree.data.sharegpt import (
+    iter_json_array,
+    iter_sharegpt,
+    normalize_conversation,
+)
 from adaptree.data.splits import drop_overlap, split_ids, split_of
 
 # ------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from adaptree.controllers import StaticConfig, StaticController
-from adaptree.engine import Engine
+from adaptree.core.engine import Engine
+from adaptree.methods import StaticConfig, StaticController
 from adaptree.models.eagle3 import Eagle3Head
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_cli_bench_end_to_end_float32(tmp_path):
 def test_shipped_policies_load_and_are_lossless(smollm2, shipped_engine):
     """Every learned or tuned method shipped next to the default head loads without flags and leaves the
     fp32 greedy output identical to AR; the learned controllers actually shape the tree."""
-    from adaptree.controllers import LEARNED, make_controller
+    from adaptree.methods import LEARNED, make_controller
 
     tok, eng = smollm2[1], shipped_engine
     ids = tok.apply_chat([{"role": "user", "content": "Write a Python function that checks for palindromes."}])
@@ -139,7 +139,7 @@ def test_batched_trace_recording_matches_the_engine_on_the_real_model(smollm2, s
     """Trace recording's batched paths on the real model (float32): the left-padded greedy run of
     prompts of different lengths gives the engine's outputs, and the trees grown 16 roots at a time
     are the live engine's (the first cycle's tree of a static run, every level)."""
-    from adaptree.rl.traces import TraceSettings, greedy_outputs, record_trace
+    from adaptree.offline.traces import TraceSettings, greedy_outputs, record_trace
 
     target, tok = smollm2
     eng = shipped_engine

@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from adaptree.models.config import ModelConfig
-from adaptree.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, build_vocab_map
+from adaptree.models.eagle3 import (
+    ARCHITECTURE,
+    Eagle3Config,
+    Eagle3Head,
+    build_vocab_map,
+)
 from adaptree.models.llama import Transformer
 
 VOCAB, HID, DRAFT_VOCAB = 64, 32, 24

@@ -8,16 +8,21 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_head, tiny_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from adaptree.controllers import Controller, StaticConfig, StaticController, TreePlan, make_controller
-from adaptree.engine import Engine
-from adaptree.tree import DraftTree
-from adaptree.verify import SamplingConfig, warp_probs
-
-from conftest import tiny_head, tiny_target
+from adaptree.core.engine import Engine
+from adaptree.core.tree import DraftTree
+from adaptree.core.verify import SamplingConfig, warp_probs
+from adaptree.methods import (
+    Controller,
+    StaticConfig,
+    StaticController,
+    TreePlan,
+    make_controller,
+)
 
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 

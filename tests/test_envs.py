@@ -7,14 +7,15 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
-from adaptree.controllers import StaticConfig, StaticController
-from adaptree.controllers.ltd import LTDObservation
-from adaptree.engine import Engine
-from adaptree.rl.envs import DepthEnv, LiveSource, PlanEnv, RandomDepthController, SimSource, SizeEnv
-from adaptree.rl.latency import LatencyModel
-from adaptree.rl.simulator import simulate
-from adaptree.rl.traces import TraceSettings, record_trace
-
+from adaptree.core.engine import Engine
+from adaptree.methods import StaticConfig, StaticController
+from adaptree.methods.ltd.controller import LTDObservation
+from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
+from adaptree.methods.resps.env import PlanEnv
+from adaptree.offline.envs import LiveSource, SimSource
+from adaptree.offline.latency import LatencyModel
+from adaptree.offline.simulator import simulate
+from adaptree.offline.traces import TraceSettings, record_trace
 
 PROMPTS = [[1, 5, 3], [2, 9], [7, 7, 7, 7, 1, 0, 9]]
 SETTINGS = TraceSettings(widths=(4,), max_depth=6, max_new_tokens=24, feature_dtype="float32")

@@ -8,15 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.controllers import StaticConfig, StaticController, make_controller
-from adaptree.controllers.ltd import LTD_SIZES, LTDConfig, LTDController, LTDObservation
-from adaptree.engine import Engine
-from adaptree.rl.latency import LatencyModel
-from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
-from adaptree.rl.simulator import simulate
-from adaptree.rl.traces import TraceSettings, record_trace
-from adaptree.tree import DraftTree
-
+from adaptree.core.engine import Engine
+from adaptree.core.tree import DraftTree
+from adaptree.methods import StaticConfig, StaticController, make_controller
+from adaptree.methods.ltd.controller import (
+    LTD_SIZES,
+    LTDConfig,
+    LTDController,
+    LTDObservation,
+)
+from adaptree.offline.latency import LatencyModel
+from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.offline.simulator import simulate
+from adaptree.offline.traces import TraceSettings, record_trace
 
 PROMPTS = [[1, 5, 3], [2, 9], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5], [3, 3], [8, 1, 2, 3]]
 N_NEW = 30
@@ -254,7 +258,7 @@ def test_depth_policy_sees_every_step_and_the_true_context_length(models):
 
 
 def test_ltd_config_errors_name_the_problem(tmp_path, monkeypatch):
-    import adaptree.controllers.ltd as ltd
+    import adaptree.methods.ltd.controller as ltd
 
     monkeypatch.setattr(ltd, "SHIPPED", tmp_path / "none")
     with pytest.raises(ValueError, match="--ltd-depth-policy"):
@@ -279,7 +283,7 @@ def test_ltd_config_errors_name_the_problem(tmp_path, monkeypatch):
 
 
 def tiny_train_config(out, **kw):
-    from adaptree.rl.ltd_train import LTDTrainConfig
+    from adaptree.methods.ltd.train import LTDTrainConfig
 
     base = dict(out=str(out), width=W, max_depth=DMAX, sizes=(2, 4, 8, 16), size_steps=2048, depth_steps=4096,
                 iter_steps=1024, n_envs=4, rollout=512, batch_size=128, n_epochs=4, eval_every=2, fixed_depth=4,
@@ -289,7 +293,7 @@ def tiny_train_config(out, **kw):
 
 
 def test_training_pipeline_stages_export_and_resume(traces, tmp_path):
-    from adaptree.rl.ltd_train import train_ltd
+    from adaptree.methods.ltd.train import train_ltd
 
     cfg = tiny_train_config(tmp_path / "run")
     s = train_ltd(cfg, traces, LAT, progress=False)
@@ -315,7 +319,7 @@ def test_training_pipeline_stages_export_and_resume(traces, tmp_path):
 def test_ppo_learns_to_stop_when_drafting_is_expensive(traces, tmp_path):
     """With draft steps costing as much as a verification, the best depth is 1: the depth policy must find
     it (static depth 4 at the same V is far slower)."""
-    from adaptree.rl.ltd_train import train_ltd
+    from adaptree.methods.ltd.train import train_ltd
 
     lat = LatencyModel(draft=[0.03, 0.0, 0.0, 0.0], verify=[0.03, 0.0002, 0.0, 0.0], other_s=0.0)
     s = train_ltd(tiny_train_config(tmp_path / "run", iterations=0, depth_steps=4096), traces, lat, progress=False)
@@ -327,7 +331,7 @@ def test_ppo_learns_to_stop_when_drafting_is_expensive(traces, tmp_path):
 
 
 def test_training_config_errors():
-    from adaptree.rl.ltd_train import LTDTrainConfig
+    from adaptree.methods.ltd.train import LTDTrainConfig
 
     with pytest.raises(ValueError, match="reward"):
         LTDTrainConfig(reward="cycle_throughput")
@@ -341,7 +345,7 @@ def test_training_config_errors():
 
 
 def test_only_the_size_policy_for_the_ablations(traces, tmp_path):
-    from adaptree.rl.ltd_train import train_ltd
+    from adaptree.methods.ltd.train import train_ltd
 
     s = train_ltd(tiny_train_config(tmp_path / "run", only="size", reward="acceptance"), traces, LAT, progress=False)
     assert list(s["stages"]) == ["stage1-size"] and s["chosen"]["policy"] == "stage1-size"

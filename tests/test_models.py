@@ -18,8 +18,17 @@ import torch
 from adaptree.models.config import ModelConfig
 from adaptree.models.llama import Transformer, build_attn_mask, rope_inv_freq
 from adaptree.models.loading import (
-    TokenizerBundle, dequantize_gguf_tensor, hf_param_shapes, load_gguf, load_hf_folder, load_state_dict_strict, load_target,
-    read_gguf, read_safetensors_state_dict, sha256_file)
+    TokenizerBundle,
+    dequantize_gguf_tensor,
+    hf_param_shapes,
+    load_gguf,
+    load_hf_folder,
+    load_state_dict_strict,
+    load_target,
+    read_gguf,
+    read_safetensors_state_dict,
+    sha256_file,
+)
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")

@@ -15,15 +15,41 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.controllers import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
-from adaptree.controllers.resps import ReSpSConfig, ReSpSController, ReSpSState, resps_actions
-from adaptree.rl.latency import LatencyModel
-from adaptree.rl.oracle import (DEFAULT_SIZES, ScheduleController, best_static, compare_methods, format_table,
-                                fraction_of_oracle_gain, oracle, oracle_all, static_times, terminal_position)
-from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
-from adaptree.rl.simulator import simulate
-from adaptree.rl.traces import TraceSettings, accepted_length, num_candidates, record_trace
-
+from adaptree.methods import (
+    METHODS,
+    Controller,
+    StaticConfig,
+    StaticController,
+    TreePlan,
+    make_controller,
+)
+from adaptree.methods.resps.controller import (
+    ReSpSConfig,
+    ReSpSController,
+    ReSpSState,
+    resps_actions,
+)
+from adaptree.offline.latency import LatencyModel
+from adaptree.offline.oracle import (
+    DEFAULT_SIZES,
+    ScheduleController,
+    best_static,
+    compare_methods,
+    format_table,
+    fraction_of_oracle_gain,
+    oracle,
+    oracle_all,
+    static_times,
+    terminal_position,
+)
+from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.offline.simulator import simulate
+from adaptree.offline.traces import (
+    TraceSettings,
+    accepted_length,
+    num_candidates,
+    record_trace,
+)
 
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 N_NEW = 30
@@ -457,8 +483,8 @@ def test_oracle_cli(tmp_path, models, capsys):
     import json
 
     from adaptree.cli import main
-    from adaptree.rl.latency import machine_meta
-    from adaptree.rl.traces import TraceStore, open_store_for
+    from adaptree.offline.latency import machine_meta
+    from adaptree.offline.traces import TraceStore, open_store_for
 
     target, head = models
     settings = TraceSettings(widths=(4, 10), max_depth=12, max_new_tokens=15)

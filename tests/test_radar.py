@@ -8,20 +8,34 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_head, tiny_target
 from scipy.stats import chisquare
 
-from adaptree.controllers import make_controller
-from adaptree.controllers.radar import RadarConfig, RadarController
-from adaptree.engine import Engine
-from adaptree.rl.radar import RadarModelConfig, RadarPolicy
-from adaptree.rl.radar_data import (RadarDataSettings, RadarRecorder, RadarStore, acceptance_distribution,
-                                    load_record, sub_tree, union_of)
-from adaptree.rl.radar_train import (Episodes, RadarTrainConfig, cycle_times, evaluate_policy, reinforce_loss,
-                                     static_baselines, train_alpha, train_radar)
-from adaptree.tree import DraftTree
-from adaptree.verify import SamplingConfig, verify_sample
-
-from conftest import tiny_head, tiny_target
+from adaptree.core.engine import Engine
+from adaptree.core.tree import DraftTree
+from adaptree.core.verify import SamplingConfig, verify_sample
+from adaptree.methods import make_controller
+from adaptree.methods.radar.controller import RadarConfig, RadarController
+from adaptree.methods.radar.dataset import (
+    RadarDataSettings,
+    RadarRecorder,
+    RadarStore,
+    acceptance_distribution,
+    load_record,
+    sub_tree,
+    union_of,
+)
+from adaptree.methods.radar.policy import RadarModelConfig, RadarPolicy
+from adaptree.methods.radar.train import (
+    Episodes,
+    RadarTrainConfig,
+    cycle_times,
+    evaluate_policy,
+    reinforce_loss,
+    static_baselines,
+    train_alpha,
+    train_radar,
+)
 
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 
@@ -79,7 +93,7 @@ def test_distribution_equals_monte_carlo_of_verify_sample(flat_pair, cfg):
 
 
 def test_greedy_distribution_is_the_point_mass_of_verify(flat_pair):
-    from adaptree.verify import verify_greedy
+    from adaptree.core.verify import verify_greedy
 
     target, head = flat_pair
     for prompt in PROMPTS[:3]:
@@ -136,7 +150,7 @@ SETTINGS = RadarDataSettings(width=3, max_depth=4, size=10, max_new_tokens=16)
 
 
 def test_recorder_leaves_the_trajectory_of_static_eagle3(flat_pair):
-    from adaptree.controllers import StaticConfig, StaticController
+    from adaptree.methods import StaticConfig, StaticController
 
     target, head = flat_pair
     eng = Engine(target, head)
@@ -363,7 +377,7 @@ def test_train_radar_end_to_end_checkpoint_resume(flat_pair, tmp_path, monkeypat
     with pytest.raises(ValueError, match="other settings"):
         train_radar(RadarTrainConfig(out=str(tmp_path / "a"), resume=True, **{**base, "lr": 1e-3}), progress=False)
     # interrupted at update 13 (checkpoint at 10), resumed: the same weights as the uninterrupted run
-    import adaptree.rl.radar_train as rt
+    import adaptree.methods.radar.train as rt
 
     real, calls = rt.reinforce_loss, [0]
 
@@ -426,8 +440,8 @@ def test_sampling_distribution_is_the_target_s():
 
 def test_radar_replays_live_on_traces():
     """The simulator replays the RADAR controller exactly like the live engine (tests/test_traces.py's check)."""
-    from adaptree.rl.simulator import simulate
-    from adaptree.rl.traces import TraceSettings, record_trace
+    from adaptree.offline.simulator import simulate
+    from adaptree.offline.traces import TraceSettings, record_trace
 
     target = tiny_target()
     head = tiny_head(target, draft_vocab=12)

@@ -19,8 +19,17 @@ import torch
 
 from adaptree.models import registry
 from adaptree.models.loading import load_gguf
-from adaptree.models.registry import (DEFAULT_MODEL_NAME, MODELS, ModelFile, PartedModelFile, RegisteredModel,
-                                      cache_dir, float_cache_folder, load_model, resolve_model)
+from adaptree.models.registry import (
+    DEFAULT_MODEL_NAME,
+    MODELS,
+    ModelFile,
+    PartedModelFile,
+    RegisteredModel,
+    cache_dir,
+    float_cache_folder,
+    load_model,
+    resolve_model,
+)
 
 gguf = pytest.importorskip("gguf")
 

@@ -10,15 +10,24 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.controllers import CONFIGS, LEARNED, METHODS, make_controller
-from adaptree.controllers.resps import (RESPS_DEPTHS, RESPS_TOPKS, RESPS_TOTALS, ReSpSConfig, ReSpSController,
-                                        ReSpSState, action_widths, check_actions, plan_of, resps_actions)
-from adaptree.engine import Engine
-from adaptree.rl.latency import LatencyModel
-from adaptree.rl.policy import MLPPolicy, MLPPolicyConfig
-from adaptree.rl.simulator import simulate
-from adaptree.rl.traces import TraceSettings, record_trace
-
+from adaptree.core.engine import Engine
+from adaptree.methods import CONFIGS, LEARNED, METHODS, make_controller
+from adaptree.methods.resps.controller import (
+    RESPS_DEPTHS,
+    RESPS_TOPKS,
+    RESPS_TOTALS,
+    ReSpSConfig,
+    ReSpSController,
+    ReSpSState,
+    action_widths,
+    check_actions,
+    plan_of,
+    resps_actions,
+)
+from adaptree.offline.latency import LatencyModel
+from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.offline.simulator import simulate
+from adaptree.offline.traces import TraceSettings, record_trace
 
 H = 32  # the tiny target's hidden size: features have 3H = 96 values
 PROMPTS = [[1, 5, 3], [2, 9], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5], [3, 3], [8, 1, 2, 3]]
@@ -247,8 +256,9 @@ def ctl_decisions(eng, pol):
 
 
 def test_policy_files_load_strictly_and_errors_name_the_problem(models, tmp_path, monkeypatch):
-    import adaptree.controllers.resps as resps
     from safetensors.torch import load_file, save_file
+
+    import adaptree.methods.resps.controller as resps
 
     pol = nearest_center_policy()
     pol.save(tmp_path / "p", training={"inference_temperature": 1.5})
@@ -359,7 +369,7 @@ def train_traces(models):
 
 
 def tiny_config(out, **kw):
-    from adaptree.rl.resps_train import ReSpSTrainConfig
+    from adaptree.methods.resps.train import ReSpSTrainConfig
 
     base = dict(out=str(out), totals=(4, 10), depths=(2, 3, 4), topks=(2, 4), steps=256, interval=3, eval_every=2,
                 checkpoint_every=2, pi=(32, 32), vf=(32, 32), threads=1)
@@ -368,8 +378,8 @@ def tiny_config(out, **kw):
 
 
 def sim_setup(traces, lat=LAT, val_fraction=0.25):
-    from adaptree.rl.envs import SimSource
-    from adaptree.rl.resps_train import SimValidator, split_prompts
+    from adaptree.methods.resps.train import SimValidator, split_prompts
+    from adaptree.offline.envs import SimSource
 
     tr, va = split_prompts([t.key for t in traces], val_fraction)
     return (SimSource([t for t in traces if t.key in tr], lat), SimValidator([t for t in traces if t.key in va], lat),
@@ -379,7 +389,7 @@ def sim_setup(traces, lat=LAT, val_fraction=0.25):
 def test_training_pipeline_budget_resume_export_summary(train_traces, tmp_path):
     import csv
 
-    from adaptree.rl.resps_train import train_resps
+    from adaptree.methods.resps.train import train_resps
 
     source, validator, val = sim_setup(train_traces)
     out = tmp_path / "run"
@@ -425,7 +435,7 @@ def test_training_pipeline_budget_resume_export_summary(train_traces, tmp_path):
 def test_ppo_learns_the_cheapest_tree(train_traces, tmp_path):
     """With drafting and every verified node expensive, (TT 4, d 2, k 4) is the best tree at every state: PPO must
     find it (validated at N = 30 like inference) and match the best fixed action of the grid."""
-    from adaptree.rl.resps_train import train_resps
+    from adaptree.methods.resps.train import train_resps
 
     source, validator, _ = sim_setup(train_traces, EXPENSIVE)
     s = train_resps(tiny_config(tmp_path / "run", steps=2048, eval_every=4, lr=3e-3), source, validator, hidden=H,
@@ -443,7 +453,7 @@ def test_ppo_learns_the_cheapest_tree(train_traces, tmp_path):
 
 
 def test_max_entropy_variant_samples_at_temperature_1_5(train_traces, tmp_path):
-    from adaptree.rl.resps_train import ReSpSTrainConfig, train_resps
+    from adaptree.methods.resps.train import ReSpSTrainConfig, train_resps
 
     d = ReSpSTrainConfig()
     assert (d.ent_coef, d.inference_temperature, d.gamma, d.gae_lambda, d.interval, d.val_interval) == \
@@ -470,8 +480,8 @@ def test_max_entropy_variant_samples_at_temperature_1_5(train_traces, tmp_path):
 def test_live_training_and_live_validation(models, tmp_path):
     """The paper's online mode: PlanEnv on the live engine (wall-clock rewards), validated live on held-out prompts
     with an engine of its own (the training generation is paused mid-way when validation runs)."""
-    from adaptree.rl.envs import LiveSource
-    from adaptree.rl.resps_train import LiveValidator, train_resps
+    from adaptree.methods.resps.train import LiveValidator, train_resps
+    from adaptree.offline.envs import LiveSource
 
     target, head = models
     engine = Engine(target, head)
@@ -502,8 +512,9 @@ def test_each_step_is_credited_with_the_cycles_its_own_action_ran(traces):
     """The public code's reward landed one cycle late and timed no drafting. Here step i's reward is the mean
     (accepted + 1) / (draft + verify + other seconds) of exactly the cycles run under action i, and the
     observation is the controller's state of the decision cycle's features."""
-    from adaptree.controllers import Controller, TreePlan
-    from adaptree.rl.envs import PlanEnv, SimSource
+    from adaptree.methods import Controller, TreePlan
+    from adaptree.methods.resps.env import PlanEnv
+    from adaptree.offline.envs import SimSource
 
     n = 3
     acts = [(4, 2, 4), (10, 4, 4), (4, 3, 2)]  # (TT, d, k)
@@ -575,7 +586,7 @@ def embedding_state(folder) -> ReSpSState:
 
 
 def test_embedding_state_encodes_the_context_text(tiny_encoder):
-    from adaptree.controllers.base import CycleContext
+    from adaptree.core.controller import CycleContext
     from adaptree.models.sentence import SentenceEncoder, shared_encoder
 
     st = embedding_state(tiny_encoder)
@@ -604,7 +615,7 @@ def test_embedding_state_encodes_the_context_text(tiny_encoder):
 
 
 def test_embedding_policy_is_lossless_and_replays_like_the_live_engine(models, traces, tiny_encoder):
-    from adaptree.controllers.base import CycleContext
+    from adaptree.core.controller import CycleContext
 
     target, head = models
     st = embedding_state(tiny_encoder)
@@ -635,7 +646,7 @@ def test_embedding_policy_is_lossless_and_replays_like_the_live_engine(models, t
 
 
 def test_training_on_the_embedding_state(train_traces, tmp_path, tiny_encoder):
-    from adaptree.rl.resps_train import train_resps
+    from adaptree.methods.resps.train import train_resps
 
     source, validator, val = sim_setup(train_traces)
     out = tmp_path / "emb"

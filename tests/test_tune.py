@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from adaptree.bench.tune import TuneConfig, successive_halving
-from adaptree.controllers import StaticConfig, StaticController
-from adaptree.engine import Engine
-from adaptree.records import GenerationResult
+from adaptree.core.engine import Engine
+from adaptree.core.records import GenerationResult
+from adaptree.methods import StaticConfig, StaticController
+from adaptree.methods.static.tune import TuneConfig, successive_halving
 
 
 def _fake(best=(10, 4, 40)):
@@ -64,7 +64,7 @@ def test_search_runs_on_the_real_engine(tiny_pair, tmp_path):
 
 
 def test_static_gs_reads_the_tuned_choice(tmp_path):
-    from adaptree.controllers import make_controller
+    from adaptree.methods import make_controller
 
     path = tmp_path / "static_gs.json"
     path.write_text(json.dumps({"width": 6, "depth": 3, "size": 16, "tokens_per_s": 10.0}))

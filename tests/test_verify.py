@@ -7,8 +7,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from adaptree.tree import VerifyTree, ancestor_mask
-from adaptree.verify import SamplingConfig, verify_greedy, verify_sample, warp_probs
+from adaptree.core.tree import VerifyTree, ancestor_mask
+from adaptree.core.verify import (
+    SamplingConfig,
+    verify_greedy,
+    verify_sample,
+    warp_probs,
+)
 
 
 def make_tree(parents: list[int], tokens: list[int], context_len: int = 5) -> VerifyTree:

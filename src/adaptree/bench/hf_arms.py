@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..records import GenerationResult
-from ..verify import SamplingConfig
+from adaptree.core.records import GenerationResult
+from adaptree.core.verify import SamplingConfig
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .hf_arms import hf_twin
-from .machine import machine_info
+from adaptree.bench.hf_arms import hf_twin
+from adaptree.core.machine import machine_info
 
 
 def run_compare(args) -> dict:
-    from ..cli import load_models
-    from ..data.prompts import mt_bench
-    from ..engine import Engine
+    from adaptree.cli import load_models
+    from adaptree.core.engine import Engine
+    from adaptree.data.prompts import mt_bench
 
     target, tok, _ = load_models(args)
     hf = hf_twin(target)

@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .stats import throughput_ratio
+from adaptree.bench.stats import throughput_ratio
 
 ORACLE_FILE = "oracle_modelled.json"
 TRACES_DIR = "traces"
@@ -41,7 +41,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def trace_settings(cfg, eos_token_ids, max_seq_len, widths=(10,), max_depth: int = 12):
-    from ..rl.traces import TraceSettings
+    from adaptree.offline.traces import TraceSettings
 
     return TraceSettings(widths=tuple(widths), max_depth=max_depth, max_new_tokens=cfg.max_new_tokens,
                          eos_token_ids=tuple(eos_token_ids), max_seq_len=max_seq_len, feature_dtype="float32",
@@ -62,7 +62,7 @@ def first_turn_prompts(sets, encode, max_len: int) -> dict[str, list[tuple[str, 
 def record_traces(out: Path, target, head, settings, prompts: dict[str, list[tuple[str, list[int]]]],
                   progress: bool = True):
     """Record (or resume) the traces of ``prompts`` under ``out/traces``; returns the store."""
-    from ..rl.traces import open_store_for
+    from adaptree.offline.traces import open_store_for
 
     store = open_store_for(Path(out) / TRACES_DIR, target, head, settings)
     store.record(target, head, [x for v in prompts.values() for x in v], progress=progress)
@@ -76,9 +76,9 @@ def modelled(out: Path, store, prompts: dict[str, list[tuple[str, list[int]]]], 
     (e.g. a width that was not recorded) gets ``error`` instead of numbers."""
     from tqdm import tqdm
 
-    from ..rl.latency import check_machine, load_checked
-    from ..rl.oracle import compare_methods, fraction_of_oracle_gain
-    from ..rl.traces import load_trace
+    from adaptree.offline.latency import check_machine, load_checked
+    from adaptree.offline.oracle import compare_methods, fraction_of_oracle_gain
+    from adaptree.offline.traces import load_trace
 
     lat = load_checked(latency_path, quiet=True)  # the differences go into the section (and its printed table)
     by_key = {}
@@ -137,7 +137,7 @@ def measured_first_turns(rows: list[dict]) -> dict[str, dict[str, float]]:
 def merge(out: Path, rows: list[dict], methods: list[str]) -> dict | None:
     """The summary's ``oracle`` section: the modelled file of ``out`` (None if absent) with the measured
     first-turn speedups of ``rows`` and both fractions of the oracle's gain."""
-    from ..rl.oracle import fraction_of_oracle_gain
+    from adaptree.offline.oracle import fraction_of_oracle_gain
 
     path = Path(out) / ORACLE_FILE
     if not path.is_file():

@@ -25,8 +25,13 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from .stats import (acceptance_by_position, bootstrap_mean_ci, bootstrap_throughput_ratio_ci, throughput_ratio,
-                    wilcoxon_paired)
+from adaptree.bench.stats import (
+    acceptance_by_position,
+    bootstrap_mean_ci,
+    bootstrap_throughput_ratio_ci,
+    throughput_ratio,
+    wilcoxon_paired,
+)
 
 SPLIT_KEYS = ("draft_s", "verify_s", "policy_s", "other_s")
 
@@ -148,7 +153,7 @@ def print_table(summary: dict) -> None:
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
     if summary.get("oracle"):
-        from .oracle_section import print_section
+        from adaptree.bench.oracle_section import print_section
 
         print_section(summary["oracle"])
 
@@ -197,7 +202,7 @@ def write_report(summary: dict, out: Path) -> None:
                 lines.append(f"| {ds} | {name} | " + " | ".join(
                     _fmt(1000 * sp[k] / tok) for k in (*SPLIT_KEYS, "prefill_s")) + " |")
     if summary.get("oracle"):
-        from .oracle_section import report_lines
+        from adaptree.bench.oracle_section import report_lines
 
         lines += [""] + report_lines(summary["oracle"])
     if summary.get("skipped"):

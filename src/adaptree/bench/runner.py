@@ -19,9 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..records import GenerationResult
-from ..verify import SamplingConfig
-from .hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
+from adaptree.bench.hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
+from adaptree.core.records import GenerationResult
+from adaptree.core.verify import SamplingConfig
 
 Arm = Callable[[list[int], int, SamplingConfig], GenerationResult]
 """A benchmarked method: ``arm(prompt_ids, max_new_tokens, sampling) -> GenerationResult``."""
@@ -72,8 +72,8 @@ class BenchConfig:
     (:mod:`adaptree.bench.oracle_section`)."""
 
     def __post_init__(self) -> None:
-        from ..controllers import METHODS
-        from ..data.prompts import DATASETS
+        from adaptree.data.prompts import DATASETS
+        from adaptree.methods import METHODS
 
         valid = (*METHODS, *HF_METHODS)
         if not self.methods:
@@ -124,7 +124,7 @@ def _digest(ids: list[int]) -> str:
 
 
 def _load_prompts(cfg: BenchConfig):
-    from ..data.prompts import load_dataset, load_question_file
+    from adaptree.data.prompts import load_dataset, load_question_file
 
     sets = [(name, load_dataset(name)[: cfg.limit]) for name in cfg.datasets]
     if cfg.question_file:
@@ -134,7 +134,7 @@ def _load_prompts(cfg: BenchConfig):
 
 
 def _file_sha256(path: Path) -> str:
-    from ..models.loading import sha256_file
+    from adaptree.models.loading import sha256_file
 
     return sha256_file(path)
 
@@ -143,9 +143,7 @@ def _run_settings(cfg: BenchConfig, args) -> dict:
     """What must stay fixed across a resumed run, plus checksums of the weights."""
     import torch
 
-    from ..models.registry import model_sha256
-
-    from ..models.registry import HEADS_DIR
+    from adaptree.models.registry import HEADS_DIR, model_sha256
 
     draft = getattr(args, "draft_path", None)
     shown = draft
@@ -177,13 +175,13 @@ def _check_settings(out: Path, settings: dict) -> None:
 
 
 def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, Arm]:
-    from ..cli import build_controller
+    from adaptree.cli import build_controller
 
     arms: dict[str, Arm] = {}
     hf = None
     for m in cfg.methods:
         if m in HF_METHODS:
-            from .hf_arms import HFArm, hf_twin
+            from adaptree.bench.hf_arms import HFArm, hf_twin
 
             hf = hf or hf_twin(target)
             assistant = None
@@ -192,8 +190,8 @@ def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, A
                 if name is None:
                     raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
                                      f"(registered pairs: {DEFAULT_ASSISTANTS})")
-                from ..cli import DTYPES
-                from ..models.registry import load_model
+                from adaptree.cli import DTYPES
+                from adaptree.models.registry import load_model
 
                 small, _ = load_model(name, dtype=DTYPES[args.dtype])
                 assistant = hf_twin(small)
@@ -206,14 +204,14 @@ def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, A
 
 
 def run_bench(cfg: BenchConfig, args) -> dict:
-    from ..cli import load_models
-    from ..engine import Engine
-    from .report import print_table, write_report
+    from adaptree.bench.report import print_table, write_report
+    from adaptree.cli import load_models
+    from adaptree.core.engine import Engine
 
     out = check_out_dir(cfg.out)
     sets = _load_prompts(cfg)  # bad dataset files fail before the models load
     if cfg.oracle_latency:
-        from ..rl.latency import load_checked
+        from adaptree.offline.latency import load_checked
 
         load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
     target, tok, head = load_models(args)
@@ -223,7 +221,7 @@ def run_bench(cfg: BenchConfig, args) -> dict:
     _check_settings(out, settings)
     engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
     arms = build_arms(cfg, args, target, tok, head, engine)
-    from .machine import machine_info
+    from adaptree.core.machine import machine_info
 
     machine = machine_info()
     (out / CONFIG).write_text(json.dumps({"config": asdict(cfg), "settings": settings, "machine": machine,
@@ -248,8 +246,8 @@ def run_oracle(cfg: BenchConfig, args, out: Path, target, tok, head, sets, encod
     """Traces of the bench's first turns (resumable) and the modelled oracle section (``oracle_modelled.json``)."""
     import argparse
 
-    from ..cli import build_controller
-    from . import oracle_section as osec
+    from adaptree.bench import oracle_section as osec
+    from adaptree.cli import build_controller
 
     engine_methods = [m for m in cfg.methods if m not in HF_METHODS]
     max_depth = max(12, getattr(args, "depth", None) or 0)
@@ -266,9 +264,9 @@ def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, comman
            machine: dict | None) -> dict:
     """Write ``summary.json`` (metrics, configuration, settings with checksums, machine, command; with
     ``oracle_latency``, the oracle section of :mod:`adaptree.bench.oracle_section`)."""
-    from .machine import machine_info
-    from .oracle_section import merge
-    from .report import summarize
+    from adaptree.bench.oracle_section import merge
+    from adaptree.bench.report import summarize
+    from adaptree.core.machine import machine_info
 
     summary = _json_safe(summarize(rows, cfg))
     summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(), command=command)
@@ -329,7 +327,7 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
     """Run every (prompt, repeat) through every arm, interleaved per prompt; append each record as it
     finishes. ``encode(messages) -> ids`` renders a conversation; ``decode(ids) -> str`` gives an answer
     back for the next turn. Returns the records of this configuration (old ones included on resume)."""
-    from ..data.chat import conversation_turns
+    from adaptree.data.chat import conversation_turns
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -380,7 +378,7 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
 def rebuild_report(folder: str | Path) -> dict:
     """Summary, report and plots again from a bench folder's records (e.g. after an interrupted run, or
     to re-plot); measures nothing. The records kept are those of the folder's last configuration."""
-    from .report import print_table, write_report
+    from adaptree.bench.report import print_table, write_report
 
     out = Path(folder)
     if not (out / CONFIG).is_file() or not (out / RESULTS).is_file():

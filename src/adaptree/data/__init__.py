@@ -7,10 +7,22 @@
 - :mod:`.chat`: multi-turn prompts with the model's own earlier answers (MT-bench protocol)
 """
 
-from .chat import Turn, conversation_turns, turn_messages
-from .prompts import DATASETS, Prompt, humaneval, load_dataset, load_question_file, mt_bench
-from .sharegpt import iter_sharegpt, sharegpt_conversations, sharegpt_path, sharegpt_prompts
-from .splits import DEFAULT_FRACTIONS, drop_overlap, split_ids, split_of
+from adaptree.data.chat import Turn, conversation_turns, turn_messages
+from adaptree.data.prompts import (
+    DATASETS,
+    Prompt,
+    humaneval,
+    load_dataset,
+    load_question_file,
+    mt_bench,
+)
+from adaptree.data.sharegpt import (
+    iter_sharegpt,
+    sharegpt_conversations,
+    sharegpt_path,
+    sharegpt_prompts,
+)
+from adaptree.data.splits import DEFAULT_FRACTIONS, drop_overlap, split_ids, split_of
 
 __all__ = [
     "Prompt", "DATASETS", "load_dataset", "load_question_file", "mt_bench", "humaneval",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from .prompts import Prompt
+from adaptree.data.prompts import Prompt
 
 __all__ = ["Turn", "turn_messages", "conversation_turns"]
 

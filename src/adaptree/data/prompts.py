@@ -72,7 +72,7 @@ def humaneval() -> list[Prompt]:
 
 def sharegpt() -> list[Prompt]:
     """First user turns of the ShareGPT conversation openers (~11k prompts, ~1 s to parse)."""
-    from .sharegpt import sharegpt_prompts
+    from adaptree.data.sharegpt import sharegpt_prompts
 
     return sharegpt_prompts()
 

@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, TextIO
 
-from .prompts import Prompt
+from adaptree.data.prompts import Prompt
 
 __all__ = [
     "SHAREGPT_FILE", "SHAREGPT_INSTALL", "ShareGPTConversation", "sharegpt_path", "iter_json_array",

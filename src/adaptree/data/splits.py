@@ -18,7 +18,7 @@ import hashlib
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from .prompts import Prompt
+from adaptree.data.prompts import Prompt
 
 __all__ = ["DEFAULT_FRACTIONS", "prompt_key", "split_of", "split_ids", "drop_overlap"]
 
@@ -130,7 +130,7 @@ def policy_training_prompts(n_code: int, n_chat: int, seed: int = 0, max_chars: 
     from index :data:`HUMANEVAL_EVAL` on (LTD trains on HumanEval) and ``n_chat`` ShareGPT first turns of the
     ``train`` split (Re-SpS and RADAR train on ShareGPT), minus anything whose text is an MT-bench or
     HumanEval prompt, 20..``max_chars`` characters; interleaved code/chat. Never an evaluation prompt."""
-    from .prompts import humaneval, mt_bench, sharegpt
+    from adaptree.data.prompts import humaneval, mt_bench, sharegpt
 
     he = humaneval()
     if not 0 <= n_code <= len(he) - HUMANEVAL_EVAL:

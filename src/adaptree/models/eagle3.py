@@ -48,7 +48,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import MLP, Attention, KVCache, RMSNorm, Rotary, Transformer, build_attn_mask, rope_inv_freq
+from adaptree.models.llama import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    Transformer,
+    build_attn_mask,
+    rope_inv_freq,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _ACCEPTED_ARCHITECTURES = (ARCHITECTURE, "LlamaForCausalLM")  # the latter: EAGLE's own training config

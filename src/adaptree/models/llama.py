@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from adaptree.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

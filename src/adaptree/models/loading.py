@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .llama import Transformer, rope_inv_freq
+from adaptree.models.config import ModelConfig
+from adaptree.models.llama import Transformer, rope_inv_freq
 
 __all__ = [
     "TokenizerBundle",
@@ -688,7 +688,8 @@ def _fast_dequantizers() -> dict:
 
 def dequantize_gguf_tensor(t) -> torch.Tensor:
     """A GGUF reader tensor as a float32 torch tensor in PyTorch (row-major ``[out, in]``) shape."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
     shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
@@ -760,7 +761,9 @@ def _gguf_tokenizer_fast(reader, arch: str):
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
     except ImportError:
         return None
     meta = _gguf_tokenizer_metadata(reader)

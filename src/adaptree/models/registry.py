@@ -70,7 +70,7 @@ from typing import Iterator
 
 import torch
 
-from .loading import _is_gguf, sha256_file
+from adaptree.models.loading import _is_gguf, sha256_file
 
 __all__ = [
     "DEFAULT_MODEL", "DEFAULT_MODEL_NAME", "MODELS", "ModelFile", "PartedModelFile", "RegisteredModel",
@@ -504,7 +504,7 @@ def _cached_folder(sha: str, dtype: torch.dtype) -> Path | None:
 
 def _check_state_dict(sd: dict[str, torch.Tensor], cfg, source: Path) -> None:
     """The strict key/shape check of ``load_state_dict_strict``, before anything is written."""
-    from .loading import hf_param_shapes
+    from adaptree.models.loading import hf_param_shapes
 
     expected = hf_param_shapes(cfg)
     if cfg.tie_word_embeddings:
@@ -521,8 +521,15 @@ def _write_float_folder(src: Path, sha: str, dtype: torch.dtype, out: Path) -> N
     """Dequantize ``src`` and write the complete cache folder contents into ``out`` (an empty folder)."""
     from safetensors.torch import save_file
 
-    from .config import ModelConfig
-    from .loading import _field_value, _gguf_tokenizer, _unique_ints, gguf_config, gguf_state_dict, read_gguf
+    from adaptree.models.config import ModelConfig
+    from adaptree.models.loading import (
+        _field_value,
+        _gguf_tokenizer,
+        _unique_ints,
+        gguf_config,
+        gguf_state_dict,
+        read_gguf,
+    )
 
     reader = read_gguf(src)
     cfg = gguf_config(reader, src)
@@ -645,7 +652,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
     (:func:`float_cache_folder`) unless ``cache=False``; Hugging Face folders load directly. Returns
     ``(Transformer, TokenizerBundle)``.
     """
-    from .loading import load_target
+    from adaptree.models.loading import load_target
 
     _dtype_name(dtype)
     path, _ = _gguf_source(name_or_path, hash_it=False)
@@ -664,7 +671,7 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
 def _load_cached(folder: Path, dtype: torch.dtype, max_seq_len: int | None):
     """A cached folder: weights through the strict HF-folder loader; the tokenizer straight from its files
     (``AutoTokenizer`` would read config.json and import transformers' model classes: ~5 s)."""
-    from .loading import TokenizerBundle, load_hf_folder
+    from adaptree.models.loading import TokenizerBundle, load_hf_folder
 
     model, _ = load_hf_folder(folder, dtype=dtype, max_seq_len=max_seq_len, with_tokenizer=False)
     try:

@@ -1,0 +1,10 @@
+"""The core: the one draft-and-verify loop and what it is made of.
+
+- :mod:`.engine`: the loop (prefill, draft, verify, accept, compact) and its cycle bookkeeping
+- :mod:`.controller`: the controller seam (``TreePlan``, ``CycleContext``, ``Controller``) and the two
+  controllers the loop itself needs: autoregressive and the static EAGLE-3 tree
+- :mod:`.tree`: the draft tree (beam expansion, top-V selection, tree mask)
+- :mod:`.verify`: greedy and lossless sampling verification of a tree
+- :mod:`.records`: per-cycle and per-generation records
+- :mod:`.machine`: the machine profile recorded with every result
+"""

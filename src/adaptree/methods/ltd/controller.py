@@ -1,0 +1,229 @@
+"""LTD — Learning to Draft (seeds/ltd-learning-to-draft.txt, SPEC.md §2): two small MLP policies shape
+every cycle's tree, trained with PPO on the cycle's throughput.
+
+* depth policy π_D, consulted after EVERY draft forward (the public code asks only every 3rd step at
+  inference): CONTINUE or STOP, from the W² cumulative log-probs of the frontier just scored, the depth
+  D and the context length L;
+* size policy π_V, once drafting stopped: V from 12 values 20, 40, ..., 240, from ALL candidate
+  log-probs (padded to the largest tree), D and L.
+
+L is the true context length at training and at inference (the public code reads it after the input
+ids were overwritten: a constant at inference). The observation is built by :class:`LTDObservation`,
+the one function the simulator environments (training) and this controller (inference) share, and its
+settings travel in each policy's ``config.json``, so training and inference cannot disagree.
+
+Representation choices (the paper fixes the content, not the encoding): scores are sorted in
+descending order (the frontier's W² children and the tree's candidates are sets; sorting makes the
+input permutation-free and puts the V-th best score at index V-1), clamped below at ``score_floor``
+and multiplied by ``score_scale`` (log-probs reach -30 and below; tanh layers want inputs of order 1);
+padding uses the floor; D enters as D / max_depth, L as L / 1000 (the paper's code's L scale).
+
+Methods: ``ltd`` (both policies), ``ltd-depth`` (depth policy, V fixed), ``ltd-size`` (size policy, depth
+fixed). Policies default to the ones shipped next to the model's head (``heads/<model>/ltd/{depth,size}/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.tree import DraftStep, DraftTree
+
+STOP, CONTINUE = 0, 1
+LTD_SIZES = tuple(range(20, 241, 20))
+"""The size policy's 12 actions: V = 20, 40, ..., 240 (paper A.2.1)."""
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "ltd"
+MODES = ("both", "depth", "size")
+
+
+@dataclass
+class LTDObservation:
+    """How an LTD observation vector is built (stored in each policy's config as ``observation``)."""
+
+    width: int = 10
+    """Beam width W the policy was trained with (the frontier has W² scores)."""
+    max_depth: int = 12
+    """Largest depth (draft forwards per cycle); pads the size policy's input to W + (max_depth-1)·W²."""
+    use_depth: bool = True
+    """Append D / max_depth (ablation P+L drops it)."""
+    use_length: bool = True
+    """Append L / length_scale (ablation P+D drops it)."""
+    score_floor: float = -20.0
+    """Log-probs below this are clamped to it; padding uses it too."""
+    score_scale: float = 0.1
+    """Scores enter as score * score_scale (inputs in [-2, 0] with the defaults)."""
+    length_scale: float = 1000.0
+    """L enters as L / length_scale (the paper's code)."""
+
+    def __post_init__(self) -> None:
+        check_shape(self.width, self.max_depth, 1, "max_depth")
+        if not self.score_floor < 0:
+            raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
+        if self.score_scale <= 0 or self.length_scale <= 0:
+            raise ValueError(f"score_scale and length_scale must be > 0, got {self.score_scale}, {self.length_scale}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LTDObservation":
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def frontier(self) -> int:
+        return self.width * self.width
+
+    @property
+    def max_candidates(self) -> int:
+        return self.width + (self.max_depth - 1) * self.width * self.width
+
+    def _extras(self) -> int:
+        return int(self.use_depth) + int(self.use_length)
+
+    @property
+    def depth_dim(self) -> int:
+        return self.frontier + self._extras()
+
+    @property
+    def size_dim(self) -> int:
+        return self.max_candidates + self._extras()
+
+    @property
+    def pad_value(self) -> float:
+        """What an empty score slot holds."""
+        return self.score_floor * self.score_scale
+
+    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sorted, clamped, scaled scores; the extras D and L): the observation without its padding."""
+        s = scores.detach().float().reshape(-1).cpu()
+        if s.numel() > n:
+            raise ValueError(f"{s.numel()} scores do not fit the observation's {n} slots "
+                             f"(W={self.width}, max_depth={self.max_depth})")
+        srt = torch.sort(s, descending=True).values.clamp(min=self.score_floor)
+        head = torch.nan_to_num(srt, nan=self.score_floor) * self.score_scale
+        extras = ([depth / self.max_depth] if self.use_depth else []) + (
+            [context_len / self.length_scale] if self.use_length else [])
+        return head, torch.tensor(extras, dtype=torch.float32)
+
+    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> torch.Tensor:
+        head, tail = self._parts(scores, n, depth, context_len)
+        return torch.cat([head, torch.full((n - head.numel(),), self.pad_value), tail])
+
+    def depth_obs(self, step: DraftStep) -> torch.Tensor:
+        """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L."""
+        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len)
+
+    def size_obs(self, tree: DraftTree) -> torch.Tensor:
+        """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L."""
+        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
+
+    def size_parts(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`size_obs` without the padding, for :meth:`~adaptree.rl.policy.MLPPolicy.act_padded`."""
+        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
+
+
+def shipped_policy(kind: str, head_folder: str | Path | None = None) -> Path | None:
+    """``<head folder>/ltd/<kind>`` (kind: depth or size) when it holds a policy, else None."""
+    folder = (Path(head_folder) / "ltd" if head_folder else SHIPPED) / kind
+    return folder if (folder / "config.json").is_file() else None
+
+
+@dataclass
+class LTDConfig:
+    """LTD's inference settings. Which policies run is the method: ``ltd``, ``ltd-depth``, ``ltd-size``."""
+
+    depth_policy: str | None = None
+    """Depth policy folder; None = the one shipped next to the head."""
+    size_policy: str | None = None
+    """Size policy folder; None = the one shipped next to the head."""
+    width: int = 10
+    """Beam width W; must equal the policies' W."""
+    depth: int | None = None
+    """With the depth policy: the maximum depth (default: the policy's, 12). Without: the fixed depth
+    (default 8, EAGLE-3's)."""
+    size: int = 60
+    """Without the size policy: the fixed V (EAGLE-3's 60)."""
+    mode: str = "both"
+    """both | depth | size: which policies decide."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        check_shape(self.width, 8 if self.depth is None else self.depth, self.size)
+
+
+@dataclass
+class LTDDepthConfig(LTDConfig):
+    """``ltd-depth``: the depth policy with a fixed V (the paper's -Size ablation)."""
+
+    mode: str = "depth"
+
+
+@dataclass
+class LTDSizeConfig(LTDConfig):
+    """``ltd-size``: the size policy with a fixed depth (the paper's -Depth ablation)."""
+
+    mode: str = "size"
+
+
+def _load(kind: str, path: str | None):
+    from adaptree.offline.policy import MLPPolicy
+
+    found = Path(path) if path else shipped_policy(kind)
+    if found is None:
+        raise ValueError(f"no LTD {kind} policy is shipped for this model: pass --ltd-{kind}-policy PATH (train "
+                         f"one with `adaptree train ltd`, see docs/ltd.md)")
+    return MLPPolicy.load(found, kind=f"ltd-{kind}")
+
+
+class LTDController(Controller):
+    """EAGLE-3's tree with LTD's learned depth (per draft step) and size (per cycle).
+
+    :param depth_policy, size_policy: loaded :class:`~adaptree.rl.policy.MLPPolicy` objects (override the
+        config's folders; used by training to evaluate policies in memory).
+    """
+
+    name = "ltd"
+
+    def __init__(self, config: LTDConfig | None = None, depth_policy=None, size_policy=None) -> None:
+        self.config = cfg = config or LTDConfig()
+        self.name = {"both": "ltd", "depth": "ltd-depth", "size": "ltd-size"}[cfg.mode]
+        self.depth_policy = self.size_policy = None
+        obs = []
+        if cfg.mode in ("both", "depth"):
+            self.depth_policy = depth_policy or _load("depth", cfg.depth_policy)
+            self.depth_obs = LTDObservation.from_dict(self.depth_policy.config.observation)
+            obs.append(self.depth_obs)
+        if cfg.mode in ("both", "size"):
+            self.size_policy = size_policy or _load("size", cfg.size_policy)
+            self.size_obs = LTDObservation.from_dict(self.size_policy.config.observation)
+            self.sizes = [int(v) for v in self.size_policy.config.actions]
+            obs.append(self.size_obs)
+        for o in obs:
+            if o.width != cfg.width:
+                raise ValueError(f"width (W) {cfg.width} does not match the LTD policy's W={o.width}")
+        if self.depth_policy is not None:
+            depth = cfg.depth if cfg.depth is not None else self.depth_obs.max_depth
+        else:
+            depth = cfg.depth if cfg.depth is not None else 8
+        if self.size_policy is not None and depth > self.size_obs.max_depth:
+            raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
+        self.plan = TreePlan(cfg.width, depth, cfg.size)
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        return self.plan
+
+    def continue_drafting(self, step: DraftStep) -> bool:
+        if self.depth_policy is None:
+            return True
+        return self.depth_policy.act(self.depth_obs.depth_obs(step)) == CONTINUE
+
+    def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
+        if self.size_policy is None:
+            return plan.size
+        head, tail = self.size_obs.size_parts(tree)  # most of the input is padding: skip multiplying it
+        return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
+                                                      tail)]

@@ -1,0 +1,68 @@
+"""LTD's two gymnasium environments over the controller seam (the sources and the bridge are
+:mod:`adaptree.offline.envs`'s) and the random depth rule its size policy trains under in stage 1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from adaptree.core.controller import Controller, CycleContext, TreePlan
+from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.offline.envs import CycleEnv
+
+
+class DepthEnv(CycleEnv):
+    """LTD's depth decisions: after every draft forward, STOP (0) or CONTINUE (1).
+
+    :param observation: an :class:`~adaptree.controllers.ltd.LTDObservation` (``depth_obs``).
+    :param inner: the rest of the cycle: its ``begin_cycle`` gives W and the maximum depth, its
+        ``choose_size`` the V (a StaticController(W, 12, 60) in LTD's stage 1, the frozen size policy later).
+    """
+
+    decision = "depth"
+
+    def __init__(self, source, observation, inner, **kwargs) -> None:
+        self.obs_spec = observation
+        super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
+
+    def observe(self, step: DraftStep) -> np.ndarray:
+        return self.obs_spec.depth_obs(step).numpy()
+
+
+class SizeEnv(CycleEnv):
+    """LTD's size decision: once drafting stopped, V = ``sizes[action]``.
+
+    :param inner: decides the depth (:class:`RandomDepthController` in LTD's stage 1, the frozen depth
+        policy later).
+    """
+
+    decision = "size"
+
+    def __init__(self, source, observation, inner, sizes: Sequence[int], **kwargs) -> None:
+        self.obs_spec, self.sizes = observation, [int(v) for v in sizes]
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError(f"sizes must be a non-empty list of V >= 1, got {sizes!r}")
+        super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
+
+    def observe(self, tree: DraftTree) -> np.ndarray:
+        return self.obs_spec.size_obs(tree).numpy()
+
+    def size_of(self, action: int) -> int:
+        return self.sizes[action]
+
+
+class RandomDepthController(Controller):
+    """A tree of a uniformly random depth in ``[min_depth, max_depth]`` per cycle, V fixed: the depth rule
+    LTD trains its size policy under in stage 1."""
+
+    name = "random-depth"
+
+    def __init__(self, rng: np.random.Generator, width: int = 10, min_depth: int = 1, max_depth: int = 12,
+                 size: int = 60) -> None:
+        if not 1 <= min_depth <= max_depth:
+            raise ValueError(f"need 1 <= min_depth <= max_depth, got {min_depth}, {max_depth}")
+        self.rng, self.width, self.lo, self.hi, self.size = rng, width, min_depth, max_depth, size
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        return TreePlan(self.width, int(self.rng.integers(self.lo, self.hi + 1)), self.size)

@@ -1,0 +1,421 @@
+"""``adaptree train ltd``: LTD's two policies trained with PPO (Stable-Baselines3), co-adapted.
+
+Stages (SPEC.md §2, issue 7), each a PPO run on a gymnasium environment of :mod:`adaptree.rl.envs`:
+
+==============  ======  =========================================================  ======================
+stage           learns  the other decision                                          validated as
+==============  ======  =========================================================  ======================
+stage1-size     π_V     depth uniform in 1..max_depth (RandomDepthController)        ltd-size, depth 8
+stage1-depth    π_D     V = 60 (EAGLE-3's)                                            ltd-depth, V 60
+iter1-size      π_V     π_D of stage1-depth, frozen                                   ltd (both)
+iter2-depth     π_D     π_V of iter1-size, frozen                                     ltd (both)
+iter3-size      π_V     π_D of iter2-depth, frozen                                    ltd (both)
+==============  ======  =========================================================  ======================
+
+Iteration k starts from the policy (actor and critic) the previous stage of the same kind ended with.
+Every ``eval_every`` rollouts (and at the end) the current actor is extracted as a plain
+:class:`~adaptree.rl.policy.MLPPolicy` and replayed on the validation traces (prompts never trained on)
+by the simulator; the stage keeps the checkpoint with the best modelled speedup. Then Iter0..Iter3
+(= (stage1-depth, stage1-size), (stage1-depth, iter1-size), (iter2-depth, iter1-size),
+(iter2-depth, iter3-size)) are compared on validation and the best pair is exported to ``OUT/policy``
+(``depth/`` and ``size/``: safetensors + JSON; no pickles anywhere in the run folder).
+
+Environment: the simulator over greedy traces of training prompts (HumanEval problems 82.. and ShareGPT
+train-split first turns, :func:`~adaptree.data.splits.policy_training_prompts`) with a calibrated latency
+model, by default; ``live=True`` trains on the live engine with wall-clock rewards instead (one
+environment, slow; validation still on the simulator). Resumable per stage: a finished stage (its
+``result.json``) is skipped on a rerun with the same settings; an interrupted stage restarts.
+PPO defaults are the paper's (rollout 2048, minibatch 256, 20 epochs, entropy 0.01, lr 1e-3 with 1%
+warm-up then linear decay, γ 0.999 / 0.9, actor [1024] critic [1024, 256] / both [1024, 256]); the step
+budgets are smaller than the paper's 1M / 100k (a CPU budget; the validation curves in ``log.csv`` show
+whether they suffice).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaptree.core.controller import StaticConfig, StaticController
+from adaptree.methods.ltd.controller import (
+    LTD_SIZES,
+    LTDConfig,
+    LTDController,
+    LTDObservation,
+)
+from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
+from adaptree.offline.envs import REWARDS, SimSource
+from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.offline.runs import pin_settings, write_json
+
+STAGES = ("stage1-size", "stage1-depth", "iter1-size", "iter2-depth", "iter3-size")
+
+
+@dataclass
+class LTDTrainConfig:
+    """Settings of an LTD training run (defaults: the paper's, step budgets for a CPU)."""
+
+    out: str = "runs/ltd"
+    """Run folder: per-stage folders, summary.json, policy/ (the export)."""
+    width: int = 10
+    """Beam width W of the trees (EAGLE-3's)."""
+    max_depth: int = 12
+    """Largest depth the depth policy may reach (LTD: 12)."""
+    fixed_size: int = 60
+    """V while the depth policy trains alone (stage 1; EAGLE-3's 60)."""
+    fixed_depth: int = 8
+    """Depth when the size policy is validated alone (EAGLE-3's 8)."""
+    sizes: tuple[int, ...] = LTD_SIZES
+    """The size policy's actions (LTD: 20, 40, ..., 240)."""
+    size_steps: int = 60_000
+    """Stage-1 environment steps of π_V (paper: 100k)."""
+    depth_steps: int = 150_000
+    """Stage-1 environment steps of π_D (paper: 1M)."""
+    iter_steps: int = 40_000
+    """Environment steps of each co-adaptation iteration."""
+    iterations: int = 3
+    """Co-adaptation iterations after stage 1 (0..3; the issue's Iter1..Iter3)."""
+    only: str | None = None
+    """``size`` or ``depth``: train that stage-1 policy alone and export it (the paper's reward and
+    observation ablations are on the size policy alone); None = the whole pipeline."""
+    reward: str = "throughput"
+    """throughput (LTD), acceptance or time (the paper's reward ablation); see adaptree.rl.envs."""
+    use_depth: bool = True
+    """Observation includes D (ablation P+L when False)."""
+    use_length: bool = True
+    """Observation includes L (ablation P+D when False)."""
+    n_envs: int = 8
+    """Environments stepped together (a rollout is ``rollout`` steps in all)."""
+    rollout: int = 2048
+    """PPO rollout length (all environments together; paper: 2048)."""
+    batch_size: int = 256
+    n_epochs: int = 20
+    ent_coef: float = 0.01
+    lr: float = 1e-3
+    warmup: float = 0.01
+    """Fraction of a stage's steps with a linear learning-rate warm-up; then linear decay to 0."""
+    gamma_depth: float = 0.999
+    gamma_size: float = 0.9
+    depth_pi: tuple[int, ...] = (1024,)
+    depth_vf: tuple[int, ...] = (1024, 256)
+    size_pi: tuple[int, ...] = (1024, 256)
+    size_vf: tuple[int, ...] = (1024, 256)
+    val_fraction: float = 0.25
+    """Share of the training traces (by prompt) held out for checkpoint selection."""
+    eval_every: int = 8
+    """Validate every this many rollouts (and at the end of a stage)."""
+    seed: int = 0
+    threads: int | None = None
+    """torch threads for PPO updates (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.reward not in REWARDS[:3]:
+            raise ValueError(f"reward must be one of {REWARDS[:3]}, got {self.reward!r}")
+        if not 0 <= self.iterations <= 3:
+            raise ValueError(f"iterations must be in 0..3, got {self.iterations}")
+        if self.only not in (None, "size", "depth"):
+            raise ValueError(f"only must be 'size', 'depth' or None, got {self.only!r}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        for name in ("size_steps", "depth_steps", "iter_steps", "n_envs", "rollout", "batch_size", "n_epochs",
+                     "eval_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout % self.n_envs:
+            raise ValueError(f"rollout ({self.rollout}) must be a multiple of n_envs ({self.n_envs})")
+        if not 1 <= self.fixed_depth <= self.max_depth:
+            raise ValueError(f"fixed_depth must be in 1..max_depth={self.max_depth}, got {self.fixed_depth}")
+        self.sizes = tuple(int(v) for v in self.sizes)
+        if len(self.sizes) < 2 or min(self.sizes) < 1:
+            raise ValueError(f"sizes needs at least 2 values >= 1, got {self.sizes}")
+
+    def observation(self) -> LTDObservation:
+        return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
+                              use_length=self.use_length)
+
+    def stages(self) -> list[str]:
+        if self.only:
+            return [f"stage1-{self.only}"]
+        return list(STAGES[:2 + self.iterations])
+
+
+def _lr_schedule(lr: float, warmup: float):
+    def f(progress_remaining: float) -> float:
+        t = 1.0 - progress_remaining
+        if warmup > 0 and t < warmup:
+            return lr * max(t, 1e-3 * warmup) / warmup
+        return lr * max(0.0, 1.0 - t) / max(1e-9, 1.0 - warmup)
+    return f
+
+
+def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
+    """Train / validation traces by prompt key (deterministic, order-free; at least one of each)."""
+    from adaptree.data.splits import split_of
+
+    if len(traces) < 2:
+        raise ValueError(f"LTD training needs at least 2 traces (train + validation), got {len(traces)}")
+    fr = {"train": 1.0 - val_fraction, "validation": val_fraction}
+    tr = [t for t in traces if split_of(t.key, fr, seed) == "train"]
+    va = [t for t in traces if split_of(t.key, fr, seed) == "validation"]
+    if not va:
+        va, tr = tr[-1:], tr[:-1]
+    if not tr:
+        tr, va = va[:1], va[1:]
+    return tr, va
+
+
+class _Stage:
+    """One PPO run; what it learns, against what, and how it is validated."""
+
+    def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None) -> None:
+        self.name, self.cfg, self.partner = name, cfg, partner
+        self.kind = "size" if name.endswith("size") else "depth"
+        self.iteration = name.startswith("iter")
+
+    @property
+    def steps(self) -> int:
+        c = self.cfg
+        if self.iteration:
+            return c.iter_steps
+        return c.size_steps if self.kind == "size" else c.depth_steps
+
+    def policy_config(self) -> MLPPolicyConfig:
+        c, obs = self.cfg, self.cfg.observation()
+        if self.kind == "size":
+            return MLPPolicyConfig("ltd-size", obs.size_dim, list(c.sizes), list(c.size_pi), "tanh", obs.to_dict())
+        return MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(c.depth_pi), "tanh",
+                               obs.to_dict())
+
+    def inner(self, rng: np.random.Generator):
+        """The other decisions during training."""
+        c = self.cfg
+        if self.kind == "size":
+            if self.partner is None:
+                return RandomDepthController(rng, c.width, 1, c.max_depth, c.fixed_size)
+            return LTDController(LTDConfig(width=c.width, depth=c.max_depth, mode="depth"), depth_policy=self.partner)
+        if self.partner is None:
+            return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
+        return LTDController(LTDConfig(width=c.width, depth=c.max_depth, mode="size"), size_policy=self.partner)
+
+    def controller(self, policy: MLPPolicy) -> LTDController:
+        """How the stage's policy is validated (see the module docstring)."""
+        c = self.cfg
+        if self.kind == "size":
+            if self.partner is None:
+                return LTDController(LTDConfig(width=c.width, depth=c.fixed_depth, mode="size"), size_policy=policy)
+            return LTDController(LTDConfig(width=c.width, depth=c.max_depth), depth_policy=self.partner,
+                                 size_policy=policy)
+        if self.partner is None:
+            return LTDController(LTDConfig(width=c.width, depth=c.max_depth, size=c.fixed_size, mode="depth"),
+                                 depth_policy=policy)
+        return LTDController(LTDConfig(width=c.width, depth=c.max_depth), depth_policy=policy, size_policy=self.partner)
+
+    def make_env(self, source, seed: int):
+        c, obs = self.cfg, self.cfg.observation()
+        if self.kind == "size":
+            return SizeEnv(source, obs, self.inner, sizes=c.sizes, reward=c.reward, seed=seed)
+        return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed)
+
+
+def evaluate(controller, traces: list, latency) -> dict:
+    """Modelled speedup, tau, mean depth and V of ``controller`` replayed on ``traces`` (policy time apart)."""
+    from adaptree.offline.simulator import simulate
+
+    res = simulate(controller, traces, latency, measure_policy=False)
+    s = res.summary()
+    return {k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")}
+
+
+def _state_dict_file(path: Path, module: torch.nn.Module) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, latency, folder: Path,
+               init: Path | None, progress: bool) -> dict:
+    """Train one stage with SB3 PPO; returns its result (best validation, times)."""
+    from safetensors.torch import load_file
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    n_envs = cfg.n_envs if isinstance(train_source, SimSource) else 1
+    seed0 = cfg.seed * 1000 + STAGES.index(stage.name) * 100
+    venv = DummyVecEnv([lambda i=i: stage.make_env(train_source, seed0 + i) for i in range(n_envs)])
+    arch = (dict(pi=list(cfg.size_pi), vf=list(cfg.size_vf)) if stage.kind == "size"
+            else dict(pi=list(cfg.depth_pi), vf=list(cfg.depth_vf)))
+    model = PPO("MlpPolicy", venv, learning_rate=_lr_schedule(cfg.lr, cfg.warmup), n_steps=cfg.rollout // n_envs,
+                batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, ent_coef=cfg.ent_coef,
+                gamma=cfg.gamma_size if stage.kind == "size" else cfg.gamma_depth,
+                policy_kwargs=dict(net_arch=arch), seed=seed0, device="cpu", verbose=0)
+    if init is not None:  # co-adaptation: start from the previous stage's actor and critic
+        model.policy.load_state_dict(load_file(str(init)), strict=True)
+    pcfg = stage.policy_config()
+    log_path = folder / "log.csv"
+    best = {"modelled_speedup": -1.0}
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=stage.steps, desc=f"ltd {stage.name}", unit="step", dynamic_ncols=True)
+
+    with open(log_path, "w", newline="") as logf:
+        writer = csv.writer(logf)
+        writer.writerow(["timesteps", "seconds", "train_reward", "val_speedup", "val_tau", "val_depth", "val_size"])
+
+        def validate() -> dict:
+            nonlocal best
+            policy = MLPPolicy.from_sb3(model.policy, pcfg)
+            ev = evaluate(stage.controller(policy), val_traces, latency)
+            if ev["modelled_speedup"] > best["modelled_speedup"]:
+                best = {**ev, "timesteps": int(model.num_timesteps)}
+                policy.save(folder / "policy", training={"stage": stage.name, **best})
+                _state_dict_file(folder / "sb3_policy.safetensors", model.policy)
+            return ev
+
+        class Callback(BaseCallback):
+            rollouts = 0
+
+            def _on_step(self) -> bool:
+                return True
+
+            def _on_rollout_end(self) -> None:
+                Callback.rollouts += 1
+                buf = self.model.rollout_buffer
+                r = float(buf.rewards.sum() / max(1, int(buf.episode_starts.sum()) or 1))
+                row = [int(self.model.num_timesteps), round(time.perf_counter() - t0, 2), round(r, 5)]
+                if Callback.rollouts % cfg.eval_every == 0:
+                    ev = validate()
+                    row += [round(ev["modelled_speedup"], 5), round(ev["tau"], 4), round(ev["mean_depth"], 3),
+                            round(ev["mean_size"], 2)]
+                    if bar is not None:
+                        bar.set_postfix(val=f"{ev['modelled_speedup']:.3f}x", best=f"{best['modelled_speedup']:.3f}x")
+                writer.writerow(row)
+                logf.flush()
+                if bar is not None:
+                    bar.update(cfg.rollout)
+
+        threads = torch.get_num_threads()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        try:
+            model.learn(total_timesteps=stage.steps, callback=Callback())
+            validate()
+        finally:
+            torch.set_num_threads(threads)
+            venv.close()
+            if bar is not None:
+                bar.close()
+    return {"stage": stage.name, "kind": stage.kind, "steps": int(model.num_timesteps),
+            "seconds": time.perf_counter() - t0, "best": best}
+
+
+def _settings(cfg: LTDTrainConfig, fingerprints: dict) -> dict:
+    d = {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "eval_every")}
+    d["fingerprints"] = fingerprints
+    return json.loads(json.dumps(d))
+
+
+def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> dict:
+    """Run every stage (skipping finished ones), compare Iter0..IterN on validation, export the best pair.
+
+    :param traces: greedy traces of training prompts (split here into train / validation by prompt).
+    :param latency: the :class:`~adaptree.rl.latency.LatencyModel` of the simulator.
+    :param live_source: a :class:`~adaptree.rl.envs.LiveSource` to train on instead of the simulator.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fps = traces[0].fingerprints if traces else {}
+    settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")})
+    pin_settings(out, settings, "an LTD run")
+    train, val = split_traces(traces, cfg.val_fraction, cfg.seed)
+    source = live_source or SimSource(train, latency)
+    t_start = time.perf_counter()
+    results: dict[str, dict] = {}
+    policies: dict[str, MLPPolicy] = {}
+    last_of = {"size": None, "depth": None}  # stage name of the latest policy of each kind
+    for name in cfg.stages():
+        kind = "size" if name.endswith("size") else "depth"
+        other = "depth" if kind == "size" else "size"
+        partner = policies[last_of[other]] if name.startswith("iter") else None
+        stage = _Stage(name, cfg, partner)
+        folder = out / name
+        done = folder / "result.json"
+        if done.exists() and (folder / "policy" / "config.json").exists():
+            results[name] = json.loads(done.read_text())
+        else:
+            init = out / last_of[kind] / "sb3_policy.safetensors" if last_of[kind] else None
+            results[name] = _run_stage(stage, cfg, source, val, latency, folder, init, progress)
+            write_json(results[name], done)
+        policies[name] = MLPPolicy.load(folder / "policy", kind=f"ltd-{kind}")
+        last_of[kind] = name
+
+    if cfg.only:
+        return _finish_single(cfg, out, settings, train, val, results, policies, latency, fps, t_start)
+    # Iter0..IterN: the pairs the co-adaptation went through, on validation
+    pairs = [("stage1-depth", "stage1-size")]
+    for name in cfg.stages()[2:]:
+        d, s = pairs[-1]
+        pairs.append((name, s) if name.endswith("depth") else (d, name))
+    table = []
+    for i, (d, s) in enumerate(pairs):
+        ev = evaluate(LTDController(LTDConfig(width=cfg.width, depth=cfg.max_depth), depth_policy=policies[d],
+                                    size_policy=policies[s]), val, latency)
+        table.append({"iteration": i, "depth_policy": d, "size_policy": s, **ev})
+    best = max(table, key=lambda r: r["modelled_speedup"])
+    export = out / "policy"
+    for kind, stage_name in (("depth", best["depth_policy"]), ("size", best["size_policy"])):
+        policies[stage_name].save(export / kind, training={
+            "stage": stage_name, "iteration": best["iteration"], "val_modelled_speedup": best["modelled_speedup"],
+            "reward": cfg.reward, "traces_model": fps.get("model"), "traces_head": fps.get("head")})
+    baselines = {
+        "static-default": evaluate(StaticController(StaticConfig(cfg.width, min(8, cfg.max_depth), 60)), val,
+                                   latency),
+        "ltd-depth(stage1)": evaluate(_Stage("stage1-depth", cfg, None).controller(policies["stage1-depth"]), val,
+                                      latency),
+        "ltd-size(stage1)": evaluate(_Stage("stage1-size", cfg, None).controller(policies["stage1-size"]), val,
+                                     latency),
+    }
+    summary = {"settings": settings, "train_prompts": [t.key for t in train], "val_prompts": [t.key for t in val],
+               "stages": results, "iterations": table, "chosen": best, "baselines_val": baselines,
+               "train_seconds_this_run": time.perf_counter() - t_start,
+               "train_seconds_all_stages": sum(r["seconds"] for r in results.values()), "export": str(export)}
+    write_json(summary, out / "summary.json")
+    return summary
+
+
+def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start) -> dict:
+    """``only``: export the one stage-1 policy; summary with its validation next to the static default."""
+    name = f"stage1-{cfg.only}"
+    stage = _Stage(name, cfg, None)
+    ev = evaluate(stage.controller(policies[name]), val, latency)
+    policies[name].save(out / "policy" / cfg.only, training={
+        "stage": name, "val_modelled_speedup": ev["modelled_speedup"], "reward": cfg.reward,
+        "traces_model": fps.get("model"), "traces_head": fps.get("head")})
+    static = StaticController(StaticConfig(cfg.width, min(8, cfg.max_depth), 60))
+    summary = {"settings": settings, "train_prompts": [t.key for t in train], "val_prompts": [t.key for t in val],
+               "stages": results, "chosen": {"policy": name, **ev},
+               "baselines_val": {"static-default": evaluate(static, val, latency)},
+               "train_seconds_this_run": time.perf_counter() - t_start,
+               "train_seconds_all_stages": sum(r["seconds"] for r in results.values()),
+               "export": str(out / "policy")}
+    write_json(summary, out / "summary.json")
+    return summary
+
+
+def config_from_dict(d: dict) -> LTDTrainConfig:
+    names = {f.name for f in dataclasses.fields(LTDTrainConfig)}
+    return LTDTrainConfig(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,102 @@
+"""RADAR (seeds/radar-rl-dynamic-draft-trees.txt, SPEC.md §4): an LSTM decides after every draft
+forward whether to run another one, from the beam's top-W cumulative log-probs.
+
+The tree is EAGLE-3's (W=10, V=60); the maximum depth defaults to the policy's D_max (8 = the paper's
+maximum of 8 draft calls). At inference the decision is deterministic by default: stop iff
+P(STOP) >= ``threshold`` (0.5 = argmax of the two logits); ``stochastic=True`` samples the decision as the
+paper's released code does (a seeded generator of its own: the sampled tokens stay lossless either
+way, only the tree shape is random). The LSTM state is reset at every cycle.
+
+The policy is a folder (``config.json`` + ``model.safetensors``, :class:`~adaptree.rl.radar.RadarPolicy`)
+given by ``policy``; None = the policy shipped next to the default model's head
+(``heads/smollm2-135m/radar/``), an error naming the flag when none is shipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.tree import DraftStep
+
+SHIPPED_POLICY = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "radar"
+
+
+def default_policy_path(head_folder: str | Path | None = None) -> Path | None:
+    """``<head folder>/radar`` when it holds a policy (default head folder: SmolLM2-135M's), else None."""
+    folder = Path(head_folder) / "radar" if head_folder else SHIPPED_POLICY
+    return folder if (folder / "config.json").is_file() else None
+
+
+@dataclass
+class RadarConfig:
+    """RADAR's inference settings (tree shape from EAGLE-3, paper §3.1)."""
+
+    policy: str | None = None
+    """Policy folder (config.json + model.safetensors); None = the one shipped with the default head."""
+    width: int = 10
+    """Beam width W; must equal the policy's input width."""
+    depth: int | None = None
+    """Maximum draft depth (draft forwards per cycle); None = the policy's D_max."""
+    size: int = 60
+    """Verification size V: draft nodes sent to the target."""
+    threshold: float = 0.5
+    """Deterministic rule: stop iff P(STOP) >= threshold (0.5 = argmax)."""
+    stochastic: bool = False
+    """Sample the decision from the policy (the paper's released behaviour) instead of thresholding."""
+    seed: int = 0
+    """Seed of the stochastic decisions' generator (reset with every generation)."""
+
+    def __post_init__(self) -> None:
+        check_shape(self.width, 1 if self.depth is None else self.depth, self.size)
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+
+
+class RadarController(Controller):
+    """EAGLE-3's tree with RADAR's learned continue/stop decisions.
+
+    :param policy: a loaded :class:`~adaptree.rl.radar.RadarPolicy` (overrides ``config.policy``).
+    """
+
+    name = "radar"
+
+    def __init__(self, config: RadarConfig | None = None, policy=None) -> None:
+        from adaptree.methods.radar.policy import RadarPolicy
+
+        self.config = cfg = config or RadarConfig()
+        if policy is None:
+            path = cfg.policy or default_policy_path()
+            if path is None:
+                raise ValueError("no RADAR policy is shipped for this model: pass --radar-policy PATH (train one "
+                                 "with `adaptree radar dataset` then `adaptree radar train`, see docs/radar.md)")
+            policy = RadarPolicy.load(path)
+        self.policy = policy.eval()
+        pc = policy.config
+        if pc.width != cfg.width:
+            raise ValueError(f"width (W) {cfg.width} does not match the RADAR policy's input width {pc.width}")
+        depth = cfg.depth if cfg.depth is not None else pc.max_depth
+        self.plan = TreePlan(cfg.width, depth, cfg.size)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.hc = None
+        self.last_p_stop = float("nan")
+
+    def reset(self) -> None:
+        self.gen.manual_seed(self.config.seed)
+        self.hc = None
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        self.hc = None  # the LSTM state lives for one cycle
+        return self.plan
+
+    @torch.inference_mode()
+    def continue_drafting(self, step: DraftStep) -> bool:
+        logits, self.hc = self.policy.step(step.beam_scores.float().cpu(), step.depth, self.hc)
+        p_stop = float(torch.softmax(logits.float(), -1)[0])
+        self.last_p_stop = p_stop
+        if self.config.stochastic:
+            return bool(torch.rand((), generator=self.gen) >= p_stop)
+        return p_stop < self.config.threshold

@@ -1,0 +1,415 @@
+"""RADAR's offline dataset (SPEC.md §4): per-step beam scores and, for every stop point, the EXACT
+distribution of the accepted length under the engine's lossless sampling rule.
+
+Stop points. In this engine a cycle always drafts one level (the draft forward over the newly accepted
+positions); the policy decides after each draft forward whether to run another one. Stop point ``k``
+(``k = 0 .. max_depth - 1``) = drafting stopped after ``k`` CONTINUE decisions = ``k + 1`` draft forwards =
+a tree of depth ``k + 1``. ``k = 0`` is the paper's "star of first-level tokens" (the root and its top-W
+children). ``max_depth`` (D_max, default 8) is the largest number of draft calls, as in the paper's
+"maximum number of calls to the draft model is 8" and EAGLE-3's fixed 8 calls. The tree verified at
+stop point ``k`` is :meth:`DraftTree.select` ``(V, levels=k + 1)``: the top-V candidates of levels
+``1..k+1`` by cumulative log-prob, exactly what the engine verifies when a controller stops there.
+
+Exact distribution (module :func:`acceptance_distribution`). ``verify_sample`` walks down the tree; at
+node ``n`` with target distribution ``p_n`` (warped: temperature, top-k, top-p) it tries the children
+``c_1, c_2, ...`` in order, accepting ``c_j`` with probability ``p(x_j)`` of the residual renormalised
+after the rejections of ``c_1..c_{j-1}``. Sibling tokens are distinct (top-W of one draft distribution),
+so ``P(reach trial j) = 1 - sum_{l<j} p_n(x_l)`` and ``P(accept c_j | at n) = p_n(x_j)``: the order of
+the children does not matter. Hence, with ``a(c) = p_parent(c)(token c)``:
+
+    q(root) = 1,  q(c) = q(parent(c)) * a(c)           (P(node c accepted))
+    P(path ends at n) = q(n) * (1 - sum_{c child of n} a(c))
+    P(accepted length = j) = sum over nodes n at depth j of P(path ends at n)
+
+Greedy (temperature 0): ``a(c) = 1`` iff the token is the target's argmax at the parent, which gives the
+point mass of :func:`~adaptree.verify.verify_greedy`.
+
+One target forward per cycle. The trees of the stop points are not sub-trees of the largest one
+(the top-V of fewer levels can keep a shallow node that deeper candidates push out of the top-V of all
+levels), but every one is an ancestor-closed subset of the SAME candidate tree, so their union is a
+tree. The recorder runs ONE extra target forward over that union (tree-masked: a node's logits
+depend only on the context and its ancestors, hence are the same in any tree that contains it;
+tests/test_radar.py checks both claims), reads every stop point's distribution from it, and puts the
+target cache back. Then the engine proceeds with its normal cycle: it verifies the ``max_depth`` tree
+and samples the acceptance, so the recorded trajectory is EAGLE-3's static tree at depth ``max_depth``.
+
+The recorder is a controller (:class:`RadarRecorder`): it always continues to ``max_depth`` and does its
+work in ``choose_size``, so the engine loop is reused as is. On disk (:class:`RadarStore`): a folder with
+``manifest.json`` (fingerprints + settings) and one safetensors file per prompt (no pickles) with
+``scores`` float32 [C, D, W] (beam scores after each draft forward), ``dist`` float32 [C, D, D + 1]
+(row k: P(accepted = j) at stop point k), ``sizes`` int32 [C, D] (V of each stop point's tree),
+``context_len`` int32 [C], ``accepted`` int32 [C] (the trajectory's sampled acceptance), ``union`` int32
+[C] (nodes of the union forward), and a JSON header (key, prompt, stop reason, settings, fingerprints).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.tree import DraftStep, DraftTree, VerifyTree
+from adaptree.core.verify import SamplingConfig, greedy_tokens, warp_probs
+
+RADAR_DATA_VERSION = 1
+META_KEY = "adaptree_radar"
+
+
+# --------------------------------------------------------------------------------------------------
+# the exact distribution
+# --------------------------------------------------------------------------------------------------
+
+
+def child_accept_probs(tree: VerifyTree, logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``[N]`` float64: probability that node ``c`` is accepted given its parent was (1 for the root)."""
+    if sampling.greedy:
+        pred = greedy_tokens(logits)
+        a = (tree.tokens == pred[tree.parents.clamp(min=0)]).double()
+    else:
+        probs = warp_probs(logits, sampling).double()
+        a = probs[tree.parents.clamp(min=0), tree.tokens]
+    a[0] = 1.0
+    return a
+
+
+def acceptance_distribution(tree: VerifyTree, logits: torch.Tensor, sampling: SamplingConfig,
+                            max_len: int | None = None) -> torch.Tensor:
+    """Exact ``P(accepted draft tokens = j)``, ``j = 0 .. max_len`` (default: the tree's depth), of
+    :func:`~adaptree.verify.verify` on ``tree`` with target ``logits [N, vocab]`` (see module doc)."""
+    return distribution_from_accept(tree, child_accept_probs(tree, logits, sampling), max_len)
+
+
+def distribution_from_accept(tree: VerifyTree, a: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """The accepted-length distribution from the per-node acceptance probabilities ``a`` (root: 1)."""
+    a = a.double()
+    q = torch.where(tree.mask, a[None, :], torch.ones_like(a)[None, :]).prod(dim=1)  # product over the path
+    kids = torch.zeros_like(a).index_add_(0, tree.parents[1:], a[1:])
+    end = q * (1.0 - kids).clamp(min=0.0)
+    n = int(tree.depth.max()) if max_len is None else int(max_len)
+    dist = torch.zeros(n + 1, dtype=torch.float64, device=a.device).index_add_(0, tree.depth, end)
+    return dist / dist.sum()
+
+
+def union_of(tree: DraftTree, selections: Sequence[torch.Tensor]) -> tuple[VerifyTree, list[torch.Tensor]]:
+    """The tree of the union of candidate selections, and each selection's node indices in it
+    (root 0 first, ascending: a topologically ordered sub-tree)."""
+    dev = tree.candidate_scores().device
+    allc = torch.unique(torch.cat(list(selections))) if selections else torch.zeros(0, dtype=torch.long, device=dev)
+    union = tree.tree_of(allc)
+    pos = torch.full((tree.num_candidates,), -1, dtype=torch.long, device=dev)
+    pos[allc] = torch.arange(1, allc.numel() + 1, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    return union, [torch.cat([zero, pos[s]]) for s in selections]
+
+
+def sub_tree(tree: VerifyTree, nodes: torch.Tensor) -> VerifyTree:
+    """The :class:`VerifyTree` of ``nodes`` (ascending, root first, ancestor-closed) of ``tree``."""
+    remap = torch.full((tree.tokens.numel(),), -1, dtype=torch.long, device=nodes.device)
+    remap[nodes] = torch.arange(nodes.numel(), device=nodes.device)
+    par = tree.parents[nodes]
+    new_par = torch.where(par < 0, par, remap[par.clamp(min=0)])
+    if bool((new_par[1:] < 0).any()):
+        raise ValueError("the nodes are not closed under parents")
+    return VerifyTree(tree.tokens[nodes], new_par, tree.depth[nodes], tree.positions[nodes],
+                      tree.mask[nodes][:, nodes])
+
+
+# --------------------------------------------------------------------------------------------------
+# settings
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RadarDataSettings:
+    """How a RADAR dataset is recorded; part of its fingerprint."""
+
+    width: int = 10
+    """Beam width W (EAGLE-3: 10); the policy's input size."""
+    max_depth: int = 8
+    """D_max: the most draft forwards per cycle (paper: at most 8 calls); stop points 0..D_max-1."""
+    size: int = 60
+    """Verification size V of every stop point's tree (EAGLE-3: 60; clamped to the candidates)."""
+    temperature: float = 1.0
+    """Sampling temperature of the engine (paper: 1; 0 = greedy, point-mass distributions)."""
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    """Base seed; prompt ``key`` samples with a seed derived from (seed, key), so resuming is exact."""
+    max_new_tokens: int = 256
+    max_seq_len: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: tuple[tuple[str, str], ...] = ()
+    """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
+
+    def __post_init__(self) -> None:
+        check_shape(self.width, self.max_depth, self.size, "max_depth")
+        SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
+
+    def sampling(self, key: str) -> SamplingConfig:
+        digest = hashlib.sha256(f"radar\0{self.seed}\0{key}".encode()).digest()
+        return SamplingConfig(self.temperature, self.top_p, self.top_k, int.from_bytes(digest[:6], "big"))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RadarDataSettings":
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["extra"] = tuple(dict(d.get("extra") or {}).items())
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# the recorder: a controller that drafts to D_max and measures every stop point in choose_size
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CycleData:
+    scores: np.ndarray  # [D, W]
+    dist: np.ndarray  # [D, D + 1]
+    sizes: np.ndarray  # [D]
+    context_len: int
+    union: int
+    accepted: int = -1
+
+
+class RadarRecorder(Controller):
+    """Always drafts ``max_depth`` levels; before the engine verifies, runs one target forward over the
+    union of every stop point's tree on the engine's cache (then truncated back) and stores the exact
+    acceptance-length distributions. The engine then verifies the ``max_depth`` tree as usual.
+
+    :param engine: the :class:`~adaptree.engine.Engine` this controller is used with (its target and cache).
+    """
+
+    name = "radar-recorder"
+
+    def __init__(self, engine, settings: RadarDataSettings, sampling: SamplingConfig) -> None:
+        self.engine, self.settings, self.sampling = engine, settings, sampling
+        self.plan = TreePlan(settings.width, settings.max_depth, settings.size)
+        self.cycles: list[CycleData] = []
+        self._scores: list[torch.Tensor] = []
+        self.skipped = 0
+
+    def reset(self) -> None:
+        self.cycles, self._scores, self.skipped = [], [], 0
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        self._scores = []
+        self._pending: CycleData | None = None
+        return self.plan
+
+    def continue_drafting(self, step: DraftStep) -> bool:
+        self._scores.append(step.beam_scores.float().cpu())  # [W]: the beam always has W nodes
+        return True
+
+    def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
+        st = self.settings
+        d = st.max_depth
+        if tree.depth != d:  # the context limit cut drafting short (the engine drafts less than planned)
+            self.skipped += 1
+            return plan.size
+        # the engine never calls continue_drafting after the last level: read its beam here
+        self._scores.append(tree.beam_scores.float().cpu())
+        cache = self.engine.cache
+        L = cache.length
+        sels = [tree.top_candidates(st.size, levels=k + 1) for k in range(d)]
+        union, nodes = union_of(tree, sels)
+        if L + union.tokens.numel() > cache.max_len:  # no room for the union near the context limit
+            self.skipped += 1
+            return plan.size
+        out = self.engine.target(union.tokens[None], position_ids=union.positions, cache=cache,
+                                 tree_mask=union.mask, features=False)
+        cache.truncate(L)
+        a = child_accept_probs(union, out.logits[0], self.sampling)  # a node's a(c) is the same in any sub-tree
+        dist = np.zeros((d, d + 1), np.float64)
+        for k, nd in enumerate(nodes):
+            dist[k] = distribution_from_accept(sub_tree(union, nd), a[nd], max_len=d).cpu().numpy()
+        self._pending = CycleData(torch.stack(self._scores).numpy(), dist.astype(np.float32),
+                                  np.array([s.numel() for s in sels], np.int32), L, int(union.size))
+        return plan.size
+
+    def end_cycle(self, record) -> None:
+        if self._pending is not None:
+            self._pending.accepted = int(record.accepted)
+            self.cycles.append(self._pending)
+            self._pending = None
+
+
+def record_prompt(engine, prompt_ids: Sequence[int], settings: RadarDataSettings, key: str) -> dict:
+    """Generate from one prompt with the recorder; returns the arrays and header of its record."""
+    sampling = settings.sampling(key)
+    rec = RadarRecorder(engine, settings, sampling)
+    res = engine.generate(list(prompt_ids), rec, max_new_tokens=settings.max_new_tokens, sampling=sampling)
+    c = rec.cycles
+    d, w = settings.max_depth, settings.width
+    arrays = {
+        "prompt": np.asarray(list(prompt_ids), np.int32),
+        "output": np.asarray(res.token_ids, np.int32),
+        "scores": np.stack([x.scores for x in c]).astype(np.float32) if c else np.zeros((0, d, w), np.float32),
+        "dist": np.stack([x.dist for x in c]).astype(np.float32) if c else np.zeros((0, d, d + 1), np.float32),
+        "sizes": np.stack([x.sizes for x in c]).astype(np.int32) if c else np.zeros((0, d), np.int32),
+        "context_len": np.asarray([x.context_len for x in c], np.int32),
+        "accepted": np.asarray([x.accepted for x in c], np.int32),
+        "union": np.asarray([x.union for x in c], np.int32),
+    }
+    header = {"key": key, "stop_reason": res.stop_reason, "cycles": len(c), "skipped_cycles": rec.skipped,
+              "seed": sampling.seed, "new_tokens": res.new_tokens}
+    return {"arrays": arrays, "header": header}
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RadarRecord:
+    """One prompt's cycles, as read back from disk."""
+
+    key: str
+    scores: np.ndarray
+    dist: np.ndarray
+    sizes: np.ndarray
+    context_len: np.ndarray
+    accepted: np.ndarray
+    header: dict = field(default_factory=dict)
+
+    @property
+    def cycles(self) -> int:
+        return int(self.scores.shape[0])
+
+
+def _safe_name(key: str) -> str:
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "prompt"
+    return name[:80] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+def save_record(path: Path, arrays: dict, header: dict) -> None:
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+              metadata={META_KEY: json.dumps(header, sort_keys=True)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+    if META_KEY not in meta:
+        raise ValueError(f"{path} is not an adaptree RADAR record (no {META_KEY!r} header)")
+    header = json.loads(meta[META_KEY])
+    if header.get("version") != RADAR_DATA_VERSION:
+        raise ValueError(f"{path}: RADAR record version {header.get('version')!r}, this adaptree reads "
+                         f"{RADAR_DATA_VERSION}")
+    return header
+
+
+def load_record(path: str | os.PathLike) -> RadarRecord:
+    from safetensors.numpy import load_file
+
+    header = read_header(path)
+    a = load_file(str(path))
+    return RadarRecord(header["key"], a["scores"], a["dist"], a["sizes"], a["context_len"], a["accepted"], header)
+
+
+class RadarStore:
+    """A folder of RADAR records: ``manifest.json`` and one ``.safetensors`` file per prompt.
+
+    Opening a folder recorded with another model, head or settings raises ``ValueError`` naming what
+    differs; :meth:`record` skips the prompts already there (resume).
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprints: dict[str, str] | None = None,
+                 settings: RadarDataSettings | None = None) -> None:
+        self.folder = Path(folder)
+        self.manifest_path = self.folder / "manifest.json"
+        if not self.manifest_path.exists():
+            if fingerprints is None or settings is None:
+                raise FileNotFoundError(f"no RADAR dataset manifest in {self.folder}")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            manifest = {"version": RADAR_DATA_VERSION, "fingerprints": dict(fingerprints),
+                        "settings": settings.to_dict(), "settings_sha256": settings.fingerprint()}
+            tmp = self.manifest_path.with_name("manifest.json.tmp")
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.manifest_path)
+        else:
+            manifest = json.loads(self.manifest_path.read_text())
+            if manifest.get("version") != RADAR_DATA_VERSION:
+                raise ValueError(f"{self.manifest_path}: RADAR dataset version {manifest.get('version')!r}, "
+                                 f"this adaptree reads {RADAR_DATA_VERSION}")
+            if settings is not None and manifest["settings_sha256"] != settings.fingerprint():
+                old = RadarDataSettings.from_dict(manifest["settings"]).to_dict()
+                diff = {k: (old.get(k), v) for k, v in settings.to_dict().items() if old.get(k) != v}
+                raise ValueError(f"RADAR dataset {self.folder} was recorded with other settings "
+                                 f"(recorded vs requested: {diff}); use another folder")
+            for k, v in (fingerprints or {}).items():
+                if manifest["fingerprints"].get(k) != v:
+                    raise ValueError(f"RADAR dataset {self.folder} was recorded with a different {k} "
+                                     f"(sha256 {str(manifest['fingerprints'].get(k))[:12]}..., this one "
+                                     f"{str(v)[:12]}...); use another folder")
+        self.fingerprints: dict[str, str] = manifest["fingerprints"]
+        self.settings = RadarDataSettings.from_dict(manifest["settings"])
+
+    def path(self, key: str) -> Path:
+        return self.folder / (_safe_name(key) + ".safetensors")
+
+    def has(self, key: str) -> bool:
+        p = self.path(key)
+        if not p.exists():
+            return False
+        try:
+            return read_header(p).get("key") == key
+        except Exception:  # a torn or foreign file: record again
+            return False
+
+    def files(self) -> list[Path]:
+        return sorted(self.folder.glob("*.safetensors"))
+
+    def load_all(self) -> list[RadarRecord]:
+        return [load_record(p) for p in self.files()]
+
+    def record(self, engine, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True) -> dict:
+        """Record every ``(key, prompt_ids)`` not already stored; returns counts."""
+        from tqdm import tqdm
+
+        done = skipped = cycles = 0
+        bar = tqdm(prompts, desc="radar dataset", unit="prompt", disable=not progress)
+        for key, ids in bar:
+            if self.has(key):
+                skipped += 1
+                continue
+            out = record_prompt(engine, ids, self.settings, key)
+            header = {"version": RADAR_DATA_VERSION, **out["header"], "settings_sha256": self.settings.fingerprint(),
+                      "fingerprints": self.fingerprints}
+            save_record(self.path(key), out["arrays"], header)
+            done += 1
+            cycles += out["header"]["cycles"]
+            bar.set_postfix(recorded=done, skipped=skipped, cycles=cycles)
+        return {"recorded": done, "skipped": skipped, "cycles": cycles}

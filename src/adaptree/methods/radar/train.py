@@ -1,0 +1,487 @@
+"""Offline REINFORCE for RADAR's prediction model (SPEC.md §4), on a dataset of :mod:`.radar_data`.
+
+One episode = one recorded cycle. The states (beam scores after each draft forward) do not depend on
+the decisions, only how far the episode gets, so a whole batch of episodes is one LSTM pass:
+
+1. logits for the decisions after draft forwards ``1 .. D-1``; sample STOP/CONTINUE at every one;
+   the stop point ``k`` is the first STOP (``D-1``: drafting reached D_max, a forced stop);
+2. ``acc ~ dist[k]`` (the recorded exact distribution of that stop point's tree);
+3. rewards: ``-alpha`` per CONTINUE; ``beta * speed`` at the stop, ``speed = (acc + 1) / T(k)`` with
+   ``T(k) = t_fixed + (k + 1) * t_draft + decisions(k) * t_policy``: ``k + 1`` draft calls, ``decisions(k) =
+   min(k + 1, D - 1)`` policy calls, ``t_fixed`` = verification of that tree + per-cycle overhead
+   (``+ 1``: the bonus token, which the paper's released code omits; ``bonus=False`` drops it). At a
+   forced stop the terminal reward comes one (discounted) step after the last CONTINUE;
+4. discounted returns ``G_t`` (gamma 0.99), minus a per-step batch-mean baseline (variance reduction;
+   ``baseline="none"`` is plain REINFORCE), loss ``-sum_t log pi(a_t|s_t) (G_t - b_t)``, Adam (lr 1e-4,
+   weight decay 1e-4), gradient clipping 1.0, cosine learning-rate schedule, dropout 0.1 in the MLP.
+
+Timing constants: a :class:`~.latency.LatencyModel` (per cycle: ``t_draft = draft_step(W, L)``,
+``t_fixed = verify_time(V_k, L) + other_s`` with the stop point's own V_k and the cycle's context
+length L) or three given numbers. ``beta`` defaults to ``1 / throughput`` of the always-continue policy
+(EAGLE-3's static depth D_max) on the training cycles, so terminal rewards are about 1 and ``alpha`` is
+in those units. A grid over ``alpha`` is trained; each policy is evaluated on a held-out split of the
+prompts by the EXACT expected throughput of its deterministic rule (stop iff P(STOP) >= threshold):
+``sum_n E[acc_n + 1 | k_n] / sum_n T_n(k_n)`` (tokens per modelled second; no sampling), and the best
+is exported. Everything is CPU minutes; no model but the policy is involved.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adaptree.methods.radar.policy import (
+    CONTINUE,
+    STOP,
+    RadarModelConfig,
+    RadarPolicy,
+    load_strict,
+)
+
+
+@dataclass
+class RadarTrainConfig:
+    """REINFORCE settings (paper §3.1 and SPEC.md §4 where they give a number)."""
+
+    data: str = "runs/radar-data"
+    """A folder written by ``adaptree radar dataset``."""
+    out: str = "runs/radar"
+    """Run folder: one sub-folder per alpha (log.csv, checkpoint, policy/), summary.json, policy/ (the best)."""
+    alphas: tuple[float, ...] = (0.0, 0.003, 0.01, 0.03)
+    """Grid over the per-CONTINUE penalty alpha (in units of beta * speed)."""
+    beta: float | None = None
+    """Terminal reward scale; None = 1 / throughput of always-continue on the training cycles."""
+    gamma: float = 0.99
+    """Discount (paper: ~0.99)."""
+    lr: float = 1e-4
+    """Adam learning rate (paper: 1e-4), cosine-annealed to 0 over ``steps``."""
+    weight_decay: float = 1e-4
+    """Adam weight decay (paper: 1e-4)."""
+    dropout: float = 0.1
+    """MLP dropout (paper: 0.1)."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (paper: 1.0)."""
+    hidden: int = 128
+    """LSTM hidden size (paper: 128)."""
+    batch_size: int = 256
+    """Episodes (cycles, drawn with replacement) per update."""
+    steps: int = 4000
+    """Updates per alpha."""
+    baseline: str = "mean"
+    """'mean' (per-step batch-mean return subtracted) or 'none' (plain REINFORCE)."""
+    bonus: bool = True
+    """Count the target's bonus token in the speed numerator (acc + 1)."""
+    latency: str | None = None
+    """LatencyModel JSON (adaptree.rl.latency); else t_fixed / t_draft / t_policy."""
+    t_fixed: float | None = None
+    """Seconds per cycle outside drafting: verification + overhead (without a latency model)."""
+    t_draft: float | None = None
+    """Seconds per draft forward (without a latency model)."""
+    t_policy: float = 0.0
+    """Seconds per policy decision (measure with `adaptree radar train --measure-policy`; 0 = ignore)."""
+    val_fraction: float = 0.1
+    """Fraction of the recorded prompts held out for choosing alpha (split by prompt key)."""
+    threshold: float = 0.5
+    """Deterministic rule used for evaluation: stop iff P(STOP) >= threshold."""
+    eval_every: int = 500
+    """Validation (exact expected throughput) every this many updates."""
+    checkpoint_every: int = 500
+    """Checkpoint every this many updates (and at the end)."""
+    seed: int = 0
+    resume: bool = False
+    """Continue the runs in ``out`` (refused if their settings differ)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alphas, str):
+            self.alphas = tuple(float(a) for a in self.alphas.split(",") if a.strip())
+        self.alphas = tuple(float(a) for a in self.alphas)
+        if not self.alphas or any(not (a >= 0.0 and math.isfinite(a)) for a in self.alphas):
+            raise ValueError(f"alphas must be finite numbers >= 0, got {self.alphas!r}")
+        if len(set(self.alphas)) != len(self.alphas):
+            raise ValueError(f"alphas must be distinct, got {self.alphas!r}")
+        if self.beta is not None and not self.beta > 0.0:
+            raise ValueError(f"beta must be > 0 (or None for automatic), got {self.beta}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0.0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("hidden", "batch_size", "steps", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.baseline not in ("mean", "none"):
+            raise ValueError(f"baseline must be 'mean' or 'none', got {self.baseline!r}")
+        if self.latency is None and (self.t_fixed is None or self.t_draft is None):
+            raise ValueError("give a latency model (latency=PATH) or both t_fixed and t_draft")
+        for name in ("t_fixed", "t_draft", "t_policy"):
+            v = getattr(self, name)
+            if v is not None and not (v >= 0.0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if self.latency is None and self.t_fixed + self.t_draft <= 0.0:
+            raise ValueError(f"t_fixed + t_draft must be > 0, got {self.t_fixed} + {self.t_draft}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+
+    def run_settings(self) -> dict:
+        """What must match to resume (everything but the bookkeeping fields)."""
+        d = asdict(self)
+        for k in ("resume", "out", "eval_every", "checkpoint_every"):
+            d.pop(k)
+        d["alphas"] = list(self.alphas)
+        return d
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Episodes:
+    """Cycles as arrays: ``scores [N, D, W]``, ``dist [N, D, D+1]``, ``time [N, D]`` (seconds of a cycle
+    stopped at k), ``tokens [N, D]`` (expected acc + bonus at k)."""
+
+    scores: torch.Tensor
+    dist: torch.Tensor
+    time: torch.Tensor
+    tokens: torch.Tensor
+    keys: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+    @property
+    def depth(self) -> int:
+        return int(self.scores.shape[1])
+
+    def subset(self, idx) -> "Episodes":
+        return Episodes(self.scores[idx], self.dist[idx], self.time[idx], self.tokens[idx])
+
+
+def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: RadarTrainConfig,
+                latency=None) -> np.ndarray:
+    """``[N, D]`` modelled seconds of each cycle stopped at each k (see the module docstring)."""
+    n, d = sizes.shape
+    k = np.arange(d)[None, :]
+    decisions = np.minimum(k + 1, d - 1)
+    if latency is not None:
+        L = context_len.astype(np.float64)[:, None]
+        t_draft = latency.draft_steps(width, L)
+        t_fixed = latency.verify_times(sizes, L) + latency.other_s
+    else:
+        t_draft = np.full((n, 1), float(cfg.t_draft))
+        t_fixed = np.full((n, d), float(cfg.t_fixed))
+    return t_fixed + (k + 1) * t_draft + decisions * cfg.t_policy
+
+
+def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> Episodes:
+    scores = np.concatenate([r.scores for r in records]).astype(np.float32)
+    dist = np.concatenate([r.dist for r in records]).astype(np.float64)
+    dist = dist / dist.sum(-1, keepdims=True)
+    sizes = np.concatenate([r.sizes for r in records])
+    ctx = np.concatenate([r.context_len for r in records])
+    t = cycle_times(sizes, ctx, width, cfg, latency)
+    j = np.arange(dist.shape[-1], dtype=np.float64)
+    tokens = (dist * j).sum(-1) + (1.0 if cfg.bonus else 0.0)
+    keys = [r.key for r in records for _ in range(r.cycles)]
+    return Episodes(torch.from_numpy(scores), torch.from_numpy(dist), torch.from_numpy(t), torch.from_numpy(tokens),
+                    keys)
+
+
+def split_records(records, val_fraction: float, seed: int):
+    """Train / validation records by prompt key (deterministic, :func:`adaptree.data.splits.split_of`)."""
+    from adaptree.data.splits import split_of
+
+    if val_fraction <= 0.0:
+        return list(records), []
+    spec = {"train": 1.0 - val_fraction, "validation": val_fraction}
+    train = [r for r in records if split_of(r.key, spec, seed) == "train"]
+    val = [r for r in records if split_of(r.key, spec, seed) == "validation"]
+    return train, val
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation (exact) and the REINFORCE step
+# --------------------------------------------------------------------------------------------------
+
+
+def stop_points(p_stop: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``[N]`` stop point of the deterministic rule from ``p_stop [N, D-1]``: first P(STOP) >= threshold."""
+    stop = p_stop >= threshold
+    d1 = p_stop.shape[1]
+    first = torch.where(stop, torch.arange(d1)[None, :], torch.full_like(stop, d1, dtype=torch.long))
+    return first.min(dim=1).values
+
+
+def evaluate_stops(ep: Episodes, k: torch.Tensor) -> dict:
+    """Exact expected metrics of the stop points ``k [N]`` (no sampling)."""
+    idx = torch.arange(len(ep))
+    tok, t = ep.tokens[idx, k], ep.time[idx, k]
+    return {"throughput": float(tok.sum() / t.sum()), "mean_speed": float((tok / t).mean()),
+            "tau": float(tok.mean()), "calls": float((k + 1).double().mean()), "cycles": len(ep)}
+
+
+@torch.no_grad()
+def evaluate_policy(policy: RadarPolicy, ep: Episodes, threshold: float = 0.5) -> dict:
+    was = policy.training
+    policy.eval()
+    p_stop = torch.softmax(policy(ep.scores[:, :-1]), -1)[..., STOP]
+    policy.train(was)
+    return evaluate_stops(ep, stop_points(p_stop, threshold))
+
+
+def static_baselines(ep: Episodes) -> dict:
+    """Every fixed stop point (static depth k + 1) and the per-cycle oracle of the speed."""
+    out = {f"depth_{k + 1}": evaluate_stops(ep, torch.full((len(ep),), k, dtype=torch.long)) for k in range(ep.depth)}
+    best = (ep.tokens / ep.time).argmax(dim=1)
+    out["oracle_per_cycle"] = evaluate_stops(ep, best)
+    return out
+
+
+def reinforce_loss(policy: RadarPolicy, ep: Episodes, idx: torch.Tensor, alpha: float, beta: float, gamma: float,
+                   baseline: str, bonus: bool, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Sample one episode per cycle ``idx`` and return the REINFORCE loss with diagnostics."""
+    d = ep.depth
+    logits = policy(ep.scores[idx, :-1])  # [B, D-1, 2]
+    logp = torch.log_softmax(logits, -1)
+    b = idx.numel()
+    with torch.no_grad():
+        p = logp.exp()
+        actions = (torch.rand(b, d - 1, generator=gen) >= p[..., STOP]).long()  # 1 = CONTINUE
+        stopped = actions == STOP
+        k = torch.where(stopped.any(1), stopped.float().argmax(1), torch.full((b,), d - 1)).long()
+        steps = torch.arange(d - 1)[None, :]
+        taken = steps <= k[:, None]  # decisions actually taken (all D-1 at a forced stop)
+        taken &= steps < d - 1
+        acc = torch.multinomial(ep.dist[idx, k], 1, generator=gen).squeeze(1).double()
+        speed = (acc + (1.0 if bonus else 0.0)) / ep.time[idx, k]
+        rewards = torch.zeros(b, d, dtype=torch.float64)  # column D-1 = the forced stop's terminal step
+        rewards[:, :-1] = torch.where(taken & (actions == CONTINUE), -alpha, 0.0)
+        rewards[torch.arange(b), k] += beta * speed
+        ret = torch.zeros_like(rewards)
+        run = torch.zeros(b, dtype=torch.float64)
+        for t in range(d - 1, -1, -1):
+            run = rewards[:, t] + gamma * run
+            ret[:, t] = run
+        ret = ret[:, :-1]
+        if baseline == "mean":
+            cnt = taken.sum(0).clamp(min=1)
+            base = (ret * taken).sum(0) / cnt
+            adv = ret - base[None, :]
+        else:
+            adv = ret
+        adv = (adv * taken).float()
+    chosen = logp.gather(-1, actions[..., None]).squeeze(-1)
+    loss = -(chosen * adv).sum() / b
+    diag = {"return": float(ret[:, 0].mean()), "calls": float((k + 1).double().mean()),
+            "speed": float(speed.mean()), "accepted": float(acc.mean())}
+    return loss, diag
+
+
+# --------------------------------------------------------------------------------------------------
+# checkpoints (safetensors: model, Adam state and the generator state; JSON metadata)
+# --------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, policy: RadarPolicy, opt: torch.optim.Adam, gen: torch.Generator, step: int,
+                    meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in policy.state_dict().items()}
+    names = [n for n, _ in policy.named_parameters()]
+    params = dict(policy.named_parameters())
+    for n in names:
+        st = opt.state.get(params[n], {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors[f"opt.{n}.{key}"] = st[key].contiguous()
+        if "step" in st:
+            tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    tensors["rng"] = gen.get_state()
+    tensors["torch_rng"] = torch.get_rng_state()  # dropout masks
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"adaptree_radar_ckpt": json.dumps({**meta, "step": step})})
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, policy: RadarPolicy, opt: torch.optim.Adam, gen: torch.Generator) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads((f.metadata() or {})["adaptree_radar_ckpt"])
+    t = load_file(str(path))
+    load_strict(policy, {k[6:]: v for k, v in t.items() if k.startswith("model.")}, str(path))
+    for n, p in policy.named_parameters():
+        if f"opt.{n}.exp_avg" in t:
+            opt.state[p] = {"step": t[f"opt.{n}.step"].reshape(()).clone(), "exp_avg": t[f"opt.{n}.exp_avg"].clone(),
+                            "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].clone()}
+    gen.set_state(t["rng"])
+    torch.set_rng_state(t["torch_rng"])
+    return meta
+
+
+# --------------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------------
+
+
+def cosine_lr(base: float, step: int, total: int) -> float:
+    return 0.5 * base * (1.0 + math.cos(math.pi * min(step, total) / total))
+
+
+LOG_FIELDS = ("step", "lr", "loss", "return", "calls", "speed", "accepted", "val_throughput", "val_calls",
+              "val_tau", "elapsed_s")
+
+
+def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episodes, val: Episodes, width: int,
+                folder: Path, progress: bool = True) -> tuple[RadarPolicy, dict]:
+    """Train one policy for one alpha in ``folder`` (resuming a checkpoint there when ``cfg.resume``)."""
+    from tqdm import tqdm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout)
+    policy = RadarPolicy(mcfg)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    ckpt, log_path = folder / "checkpoint.safetensors", folder / "log.csv"
+    start = 0
+    if cfg.resume and ckpt.exists():
+        start = int(load_checkpoint(ckpt, policy, opt, gen)["step"])
+    rows = []
+    if start and log_path.exists():
+        with log_path.open() as f:
+            rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
+    with log_path.open("w", newline="") as f:
+        w = csv.DictWriter(f, LOG_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    t0 = time.perf_counter()
+    policy.train()
+    bar = tqdm(range(start, cfg.steps), desc=f"radar alpha={alpha:g}", unit="step", disable=not progress,
+               initial=start, total=cfg.steps)
+    meta = {"alpha": alpha, "beta": beta, "settings": cfg.run_settings()}
+    val_metrics: dict = {}
+    for step in bar:
+        lr = cosine_lr(cfg.lr, step, cfg.steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(train), (cfg.batch_size,), generator=gen)
+        loss, diag = reinforce_loss(policy, train, idx, alpha, beta, cfg.gamma, cfg.baseline, cfg.bonus, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        opt.step()
+        done = step + 1
+        row = {"step": done, "lr": lr, "loss": float(loss.detach()), **diag, "elapsed_s": time.perf_counter() - t0}
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            val_metrics = evaluate_policy(policy, val, cfg.threshold)
+            row.update(val_throughput=val_metrics["throughput"], val_calls=val_metrics["calls"],
+                       val_tau=val_metrics["tau"])
+            bar.set_postfix(calls=f"{val_metrics['calls']:.2f}", thr=f"{val_metrics['throughput']:.4g}")
+        with log_path.open("a", newline="") as f:
+            csv.DictWriter(f, LOG_FIELDS).writerow({k: row.get(k, "") for k in LOG_FIELDS})
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            save_checkpoint(ckpt, policy, opt, gen, done, meta)
+    policy.eval()
+    final = evaluate_policy(policy, val, cfg.threshold)
+    policy.save(folder / "policy", {"alpha": alpha, "beta": beta, "validation": final, **cfg.run_settings()})
+    return policy, final
+
+
+def load_latency(cfg: RadarTrainConfig):
+    if cfg.latency is None:
+        return None
+    from adaptree.offline.latency import LatencyModel
+
+    return LatencyModel.load(cfg.latency)
+
+
+def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
+    """Train the alpha grid on ``cfg.data`` and export the best policy to ``cfg.out/policy``; returns the
+    summary (also written to ``cfg.out/summary.json``)."""
+    from adaptree.methods.radar.dataset import RadarStore
+
+    store = RadarStore(cfg.data)
+    records = [r for r in store.load_all() if r.cycles]
+    if not records:
+        raise ValueError(f"no recorded cycles in {cfg.data}")
+    st = store.settings
+    if st.max_depth < 2:
+        raise ValueError(f"the dataset has max_depth {st.max_depth}: no decision to learn")
+    latency = load_latency(cfg)
+    tr, va = split_records(records, cfg.val_fraction, cfg.seed)
+    if not tr:
+        raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(records)}")
+    note = None
+    if not va:
+        va, note = tr, "no validation prompts (too few recorded): alpha chosen on the training cycles"
+    train = make_episodes(tr, cfg, st.width, latency)
+    val = make_episodes(va, cfg, st.width, latency)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / "train_config.json"
+    settings = cfg.run_settings()
+    if cfg_path.exists():
+        old = json.loads(cfg_path.read_text())
+        if not cfg.resume:
+            raise ValueError(f"{out} already holds a RADAR run; pass --resume to continue it or use another --out")
+        if old != settings:
+            diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+            raise ValueError(f"{out} was trained with other settings (stored vs requested: {diff})")
+    cfg_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    always = evaluate_stops(train, torch.full((len(train),), train.depth - 1, dtype=torch.long))
+    beta = cfg.beta if cfg.beta is not None else 1.0 / always["throughput"]
+    results = {}
+    for alpha in cfg.alphas:
+        folder = out / f"alpha_{alpha:g}"
+        final_path = folder / "final.json"
+        if cfg.resume and final_path.exists() and (folder / "policy" / "model.safetensors").exists():
+            results[alpha] = json.loads(final_path.read_text())
+            continue
+        _, final = train_alpha(cfg, alpha, beta, train, val, st.width, folder, progress)
+        final_path.write_text(json.dumps(final, indent=2) + "\n")
+        results[alpha] = final
+    best = max(cfg.alphas, key=lambda a: (results[a]["throughput"], -a))
+    chosen = RadarPolicy.load(out / f"alpha_{best:g}" / "policy")
+    chosen.save(out / "policy", {"alpha": best, "beta": beta, "validation": results[best],
+                                 "dataset_settings": st.to_dict(), "fingerprints": store.fingerprints, **settings})
+    summary = {"data": str(cfg.data), "train_cycles": len(train), "val_cycles": len(val),
+               "train_prompts": len(tr), "val_prompts": len(va) if note is None else 0, "note": note,
+               "beta": beta, "chosen_alpha": best, "policy": str(out / "policy"),
+               "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "val_static": static_baselines(val),
+               "settings": settings, "dataset_settings": st.to_dict()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def measure_policy_seconds(width: int = 10, max_depth: int = 8, hidden: int = 128, repeats: int = 300) -> float:
+    """Median seconds of one inference decision (:meth:`RadarPolicy.step` + softmax) on this machine, with
+    an untrained policy of the given shape (the weights' values do not change the time)."""
+    policy = RadarPolicy(RadarModelConfig(width=width, max_depth=max_depth, hidden=hidden)).eval()
+    x = -torch.rand(width).cumsum(0)
+    out = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            hc = None
+            for t in range(1, max_depth):
+                t0 = time.perf_counter()
+                logits, hc = policy.step(x, t, hc)
+                float(torch.softmax(logits, -1)[0])
+                out.append(time.perf_counter() - t0)
+    return float(np.median(out))

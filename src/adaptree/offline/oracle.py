@@ -1,0 +1,427 @@
+"""The best any controller could do on a greedy trace: a dynamic-programming oracle, and the best static tree.
+
+With greedy decoding the state of a generation between cycles is one integer, the output position
+``j`` of the next cycle's root (the context is ``prompt + output[:j+1]``). A cycle from ``j`` that
+drafts ``d`` levels of width ``W`` and verifies the top ``V`` candidates costs, in the latency model,
+``d * draft_step(W, L) + verify(V', L) + other_s`` with ``L = n + j`` and ``V' = min(V, C_d, room - 1)``
+(the engine's clamps), and moves the root to ``j + accepted(j, W, d, V') + 1`` (acceptance from
+:func:`~adaptree.rl.traces.acceptance_table`). An AR step (``d = 0``) costs ``verify(0, L) + other_s`` and
+moves one position. The run ends at the first position ``T`` the simulator stops at (EOS, the token
+limit, the context limit; :func:`terminal_position`), so the oracle's time is
+
+    best(j) = 0 for j >= T,   best(j) = min over (W, d, V) of cost(j, W, d, V) + best(min(j + acc + 1, T)),
+
+computed backwards over ``j`` with every action of a position evaluated at once (numpy). Every
+controller's replay through :func:`~adaptree.rl.simulator.simulate` is one path through the same
+graph, so ``best(0)`` is a lower bound on its modelled time whenever its choices lie in the oracle's
+action set. ``sizes="all"`` makes that set every V: the verification time is non-decreasing in V and
+the accepted length is a step function of V, so only the smallest V reaching each accepted length
+(d + 1 values per position and depth) can be optimal; the bound then holds for every controller that
+uses the recorded widths and depths.
+
+:func:`best_static` evaluates every static (W, D, V) of a grid on the same arrays (all configurations
+walked at once) and returns the one with the least total modelled time over the traces.
+:class:`ScheduleController` replays an oracle schedule through the simulator (tests prove it
+reproduces the oracle's time exactly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from adaptree.core.controller import Controller, CycleContext, TreePlan
+from adaptree.offline.latency import LatencyModel
+from adaptree.offline.simulator import RunTotals
+from adaptree.offline.traces import PromptTrace, acceptance_table, num_candidates
+
+LTD_SIZES = tuple(range(20, 241, 20))
+"""LTD's size-policy action set: 12 values 20, 40, ..., 240."""
+DEFAULT_SIZES = tuple(range(1, 17)) + LTD_SIZES
+"""The oracle's default V set: LTD's 12 values plus 1..16, which matter on CPU (verification cost grows
+with every node)."""
+
+
+def terminal_position(trace: PromptTrace, max_new_tokens: int | None = None) -> int:
+    """The first root position at which the simulator (and the engine) stops: every run of the trace
+    emits ``T + 1`` tokens and runs cycles from roots ``j < T``. Mirrors ``simulate_one``'s ``_emit``
+    (EOS kept, the token limit) and its context check (``room = max_len - n - j < 1``)."""
+    s = trace.settings
+    limit = s.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if not 1 <= limit <= s.max_new_tokens:
+        raise ValueError(f"max_new_tokens must be in 1..{s.max_new_tokens} (the trace's), got {limit}")
+    eos = set(s.eos_token_ids)
+    stop = limit
+    for i, t in enumerate(trace.output[:limit].tolist()):
+        if t in eos:
+            stop = i + 1
+            break
+    t_end = min(stop - 1, trace.max_len - trace.prompt_len)
+    if t_end > trace.end:
+        raise RuntimeError(f"trace {trace.key!r}: runs reach root {t_end}, past the recorded {trace.end} positions")
+    return max(0, t_end)
+
+
+def _sizes_arg(sizes) -> tuple[int, ...] | str:
+    if isinstance(sizes, str):
+        if sizes != "all":
+            raise ValueError(f"sizes must be a sequence of V values or 'all', got {sizes!r}")
+        return sizes
+    try:
+        out = tuple(sorted({int(v) for v in sizes}))
+    except (TypeError, ValueError):
+        raise ValueError(f"sizes must be a sequence of V values or 'all', got {sizes!r}") from None
+    if not out or out[0] < 0:
+        raise ValueError(f"sizes must be non-negative integers, got {sizes!r}")
+    return out
+
+
+@dataclass
+class _Actions:
+    """Every action at every root position of one trace: ``[T, A]`` arrays."""
+
+    width: np.ndarray   # [A] W of the action (for AR: the first recorded width, unused)
+    depth: np.ndarray   # [A] d (0 = AR)
+    size: np.ndarray    # [T, A] effective V after the engine's clamps
+    acc: np.ndarray     # [T, A] accepted draft tokens
+    cost: np.ndarray    # [T, A] modelled seconds of the cycle
+    static: np.ndarray  # [A] bool: a static configuration (same requested V at every position)
+    requested: np.ndarray  # [A] requested V (-1 where V differs per position: sizes='all')
+
+
+def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int] | None, depths: Sequence[int] | None,
+             sizes, allow_ar: bool) -> _Actions:
+    widths = sorted(trace.widths) if widths is None else [int(w) for w in widths]
+    if not widths:
+        raise ValueError(f"widths must name at least one recorded width (recorded in {trace.key!r}: "
+                         f"{', '.join(map(str, sorted(trace.widths)))})")
+    for w in widths:
+        trace.width(w)  # names a width that was not recorded
+    depths = list(range(1, trace.max_depth + 1)) if depths is None else [int(d) for d in depths]
+    if not depths or any(not 1 <= d <= trace.max_depth for d in depths):
+        raise ValueError(f"depths must be in 1..{trace.max_depth} (the trace's max_depth), got {depths}")
+    n = trace.prompt_len
+    pos = np.arange(T)
+    L = (n + pos).astype(np.float64)
+    room = trace.max_len - n - pos  # >= 1 for j < T
+    forced_ar = room <= 1  # the engine drafts nothing there (simulate_one: room > 1)
+    ar_cost = lat.verify_times(0, L) + lat.other_s
+
+    def verify(v: np.ndarray) -> np.ndarray:
+        return lat.verify_times(v, L[:, None])
+
+    W_, D_, S_, A_, C_, ST_, RQ_ = [], [], [], [], [], [], []
+    if allow_ar:
+        W_.append(np.array([widths[0]]))
+        D_.append(np.array([0]))
+        S_.append(np.zeros((T, 1), np.int64))
+        A_.append(np.zeros((T, 1), np.int64))
+        C_.append(ar_cost[:, None])
+        ST_.append(np.array([False]))
+        RQ_.append(np.array([0]))
+    all_sizes = sizes == "all"
+    if all_sizes:
+        most = max(num_candidates(w, max(depths)) for w in widths)
+        if T and (np.diff(verify(np.arange(most + 1)), axis=1) < -1e-12).any():
+            raise ValueError("sizes='all' needs a verification time non-decreasing in V at every context length of "
+                             "the trace; pass an explicit list of sizes")
+    for w in widths:
+        wt = trace.widths[w]
+        step = lat.draft_steps(w, L)
+        for d in depths:
+            c = num_candidates(w, d)
+            table = acceptance_table(wt, trace.output, d, pos) if T else np.zeros((0, c + 1), np.int64)
+            if all_sizes:  # the smallest V reaching each accepted length k = 0..d (k = 0: V = 0)
+                ks = np.arange(d + 1)
+                req = (table[:, :, None] < ks[None, None, :]).sum(axis=1)  # [T, d+1] first v with table >= k
+                req = np.minimum(req, c)  # unreachable k: clamp (duplicates the largest V)
+                rq = np.full(d + 1, -1)
+            else:
+                req = np.broadcast_to(np.asarray(sizes, np.int64), (T, len(sizes)))
+                rq = np.asarray(sizes, np.int64)
+            v = np.minimum(np.minimum(req, c), (room - 1)[:, None])
+            acc = np.take_along_axis(table, v, axis=1)
+            cost = d * step[:, None] + verify(v) + lat.other_s
+            # rows where the engine cannot draft: every action is the AR step
+            v = np.where(forced_ar[:, None], 0, v)
+            acc = np.where(forced_ar[:, None], 0, acc)
+            cost = np.where(forced_ar[:, None], ar_cost[:, None], cost)
+            k = v.shape[1]
+            W_.append(np.full(k, w))
+            D_.append(np.full(k, d))
+            S_.append(v)
+            A_.append(acc)
+            C_.append(cost)
+            ST_.append(np.full(k, not all_sizes))
+            RQ_.append(rq)
+    return _Actions(np.concatenate(W_), np.concatenate(D_), np.concatenate(S_, axis=1),
+                    np.concatenate(A_, axis=1).astype(np.int64), np.concatenate(C_, axis=1), np.concatenate(ST_),
+                    np.concatenate(RQ_))
+
+
+@dataclass
+class OracleCycle:
+    position: int
+    """Output index of the cycle's root."""
+    context_len: int
+    width: int
+    depth: int
+    """Draft levels (0 = an AR step)."""
+    size: int
+    """V after the engine's clamps."""
+    accepted: int
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.verify_s + 0.0 + self.other_s  # CycleRecord.total_s's order (policy = 0)
+
+
+@dataclass
+class OracleRun:
+    """The oracle's schedule for one prompt."""
+
+    key: str
+    cycles: list[OracleCycle]
+    tokens: int
+    """Tokens emitted (the same for every controller: T + 1)."""
+    ar_s: float
+    """Modelled AR time of the same tokens (``SimRun.ar_s``)."""
+    dp_s: float = 0.0
+    """best(0) of the backward recursion (equal to ``total_s`` up to float summation order)."""
+
+    @property
+    def total_s(self) -> float:
+        return sum(c.total_s for c in self.cycles)  # SimRun.total_s's order
+
+    @property
+    def tau(self) -> float:
+        return sum(c.accepted + 1 for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
+
+    def schedule(self) -> dict[int, tuple[int, int, int]]:
+        """Root position -> (W, d, V) of the cycle started there."""
+        return {c.position: (c.width, c.depth, c.size) for c in self.cycles}
+
+
+@dataclass
+class OracleResult(RunTotals):
+    runs: list[OracleRun]
+
+    def summary(self) -> dict:
+        cyc = [c for r in self.runs for c in r.cycles]
+        k = max(1, len(cyc))
+        return {"prompts": len(self.runs), "cycles": len(cyc), "new_tokens": sum(r.tokens for r in self.runs),
+                "tau": self.tau, "mean_depth": sum(c.depth for c in cyc) / k, "mean_size": sum(c.size for c in cyc) / k,
+                "ar_cycles": sum(c.depth == 0 for c in cyc), "modelled_s": self.total_s, "modelled_ar_s": self.ar_s,
+                "modelled_speedup": self.speedup}
+
+
+def _ar_time(lat: LatencyModel, n: int, T: int) -> float:
+    return sum(lat.verify_time(0, n + i) + lat.other_s for i in range(T))  # SimRun.ar_s over T + 1 tokens
+
+
+def oracle(trace: PromptTrace, latency: LatencyModel, *, widths: Sequence[int] | None = None,
+           depths: Sequence[int] | None = None, sizes: Sequence[int] | str = DEFAULT_SIZES, allow_ar: bool = True,
+           max_new_tokens: int | None = None) -> OracleRun:
+    """The schedule of (W, d, V) per cycle minimising the modelled time to emit the trace's output.
+
+    :param widths: W values allowed per cycle (default: every recorded width; pass one to fix W).
+    :param depths: draft depths allowed (default 1..the trace's max_depth).
+    :param sizes: the V set (default :data:`DEFAULT_SIZES`), or ``"all"``: every V (exact; see the module docstring).
+    :param allow_ar: also allow an AR step (d = 0) per cycle.
+    :param max_new_tokens: a smaller token limit than recorded (as in ``simulate``).
+    """
+    sizes = _sizes_arg(sizes)
+    T = terminal_position(trace, max_new_tokens)
+    n = trace.prompt_len
+    act = _actions(trace, latency, T, widths, depths, sizes, allow_ar)
+    best = np.zeros(T + 1)
+    choice = np.zeros(T, np.int64)
+    steps = act.acc + 1  # [T, A]
+    for j in range(T - 1, -1, -1):
+        tot = act.cost[j] + best[np.minimum(j + steps[j], T)]
+        a = int(np.argmin(tot))
+        choice[j], best[j] = a, tot[a]
+    cycles = []
+    j = 0
+    while j < T:
+        a = int(choice[j])
+        w, d, v, acc = int(act.width[a]), int(act.depth[a]), int(act.size[j, a]), int(act.acc[j, a])
+        L = n + j
+        if trace.max_len - L <= 1:  # no room to draft: the engine (and the cost above) makes it an AR step
+            d = 0
+        cycles.append(OracleCycle(j, L, w, d, v, acc, latency.draft_time(w, d, L), latency.verify_time(v, L),
+                                  latency.other_s))
+        j += acc + 1
+    return OracleRun(trace.key, cycles, T + 1, _ar_time(latency, n, T), float(best[0]) if T else 0.0)
+
+
+def oracle_all(traces: PromptTrace | Iterable[PromptTrace], latency: LatencyModel, **kwargs) -> OracleResult:
+    """:func:`oracle` over every trace (keyword arguments as there)."""
+    if isinstance(traces, PromptTrace):
+        traces = [traces]
+    return OracleResult([oracle(t, latency, **kwargs) for t in traces])
+
+
+class ScheduleController(Controller):
+    """Follows a fixed schedule (root position -> (W, d, V)), e.g. an oracle's, in the simulator or the engine.
+
+    A cycle at a position the schedule does not name means the replay left the schedule's path: an error.
+    """
+
+    name = "schedule"
+
+    def __init__(self, schedule: Mapping[int, tuple[int, int, int]]) -> None:
+        self.schedule = {int(k): tuple(int(x) for x in v) for k, v in schedule.items()}
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        j = ctx.generated - 1  # the root's output index
+        if j not in self.schedule:
+            raise RuntimeError(f"no scheduled cycle at root position {j}: the replay diverged from the schedule")
+        w, d, v = self.schedule[j]
+        return TreePlan(w, d, v)
+
+
+# ---------------------------------------------------------------------------------------------- statics
+
+
+@dataclass
+class StaticChoice:
+    """The best static tree over a set of traces, and the whole grid's times."""
+
+    width: int
+    depth: int
+    size: int
+    total_s: float
+    ar_s: float
+    grid: list[dict] = field(default_factory=list)
+    """Every configuration: {width, depth, size, total_s, speedup}."""
+
+    @property
+    def speedup(self) -> float:
+        return self.ar_s / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self, grid: bool = False) -> dict:
+        d = asdict(self)
+        d["speedup"] = self.speedup
+        if not grid:
+            d.pop("grid")
+        return d
+
+
+def static_times(trace: PromptTrace, latency: LatencyModel, widths: Sequence[int] | None = None,
+                 depths: Sequence[int] | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
+                 max_new_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Modelled time of every static (W, D, V) on one trace, all walked at once: (W, D, V, seconds) arrays."""
+    sizes = _sizes_arg(sizes)
+    if sizes == "all":
+        raise ValueError("static_times needs an explicit list of sizes")
+    sizes = tuple(v for v in sizes if v >= 1) or (1,)  # StaticConfig needs V >= 1
+    T = terminal_position(trace, max_new_tokens)
+    act = _actions(trace, latency, T, widths, depths, sizes, allow_ar=False)
+    k = act.width.shape[0]
+    pos = np.zeros(k, np.int64)
+    total = np.zeros(k)
+    cols = np.arange(k)
+    active = pos < T
+    while active.any():
+        idx = cols[active]
+        p = pos[idx]
+        total[idx] += act.cost[p, idx]
+        pos[idx] = p + act.acc[p, idx] + 1
+        active = pos < T
+    return act.width, act.depth, act.requested, total
+
+
+def best_static(traces: PromptTrace | Iterable[PromptTrace], latency: LatencyModel, *,
+                widths: Sequence[int] | None = None, depths: Sequence[int] | None = None,
+                sizes: Sequence[int] = DEFAULT_SIZES, max_new_tokens: int | None = None) -> StaticChoice:
+    """The single static (W, D, V) minimising the total modelled time over all traces (ties: the first
+    in (W, D, V) order). W ranges over the widths recorded in every trace unless given."""
+    if isinstance(traces, PromptTrace):
+        traces = [traces]
+    traces = list(traces)
+    if not traces:
+        raise ValueError("best_static needs at least one trace")
+    if widths is None:
+        widths = sorted(set.intersection(*(set(t.widths) for t in traces)))
+    total = None
+    for t in traces:
+        w, d, v, s = static_times(t, latency, widths, depths, sizes, max_new_tokens)
+        total = s if total is None else total + s
+    ar = sum(_ar_time(latency, t.prompt_len, terminal_position(t, max_new_tokens)) for t in traces)
+    a = int(np.argmin(total))
+    grid = [{"width": int(w[i]), "depth": int(d[i]), "size": int(v[i]), "total_s": float(total[i]),
+             "speedup": ar / float(total[i]) if total[i] > 0 else 0.0} for i in range(len(total))]
+    return StaticChoice(int(w[a]), int(d[a]), int(v[a]), float(total[a]), ar, grid)
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+
+
+def fraction_of_oracle_gain(speedup: float, oracle_speedup: float) -> float | None:
+    """(speedup - 1) / (oracle speedup - 1); None when the oracle gains nothing over AR."""
+    if oracle_speedup <= 1.0:
+        return None
+    return (speedup - 1.0) / (oracle_speedup - 1.0)
+
+
+def compare_methods(traces: Sequence[PromptTrace], latency: LatencyModel,
+                    methods: Mapping[str, Callable[[], Controller]], *, with_oracle: bool = True,
+                    with_static: bool = True, oracle_sizes: Sequence[int] | str = DEFAULT_SIZES,
+                    static_sizes: Sequence[int] = DEFAULT_SIZES, max_new_tokens: int | None = None,
+                    measure_policy: bool = False, progress: bool = False) -> dict:
+    """Every method replayed in the simulator, with the best static tree and the oracle, on the same traces.
+
+    Returns ``{"methods": {name: row}, "oracle": row | None, "best_static": row | None}``; a row has the
+    modelled speedup vs AR, tau, mean depth and V, and ``fraction_of_oracle_gain``. The policies' own
+    time is left out unless ``measure_policy`` (the oracle and the statics have none). ``progress``: a
+    bar over the methods.
+    """
+    from tqdm import tqdm
+
+    from adaptree.methods import StaticConfig, StaticController
+    from adaptree.offline.simulator import simulate
+
+    traces = list(traces)
+    out: dict = {"methods": {}, "oracle": None, "best_static": None}
+    orc = None
+    if with_oracle:
+        orc = oracle_all(traces, latency, sizes=oracle_sizes, max_new_tokens=max_new_tokens)
+        out["oracle"] = {"name": "oracle", **orc.summary()}
+    for name, make in tqdm(methods.items(), desc="simulate", unit="method", disable=not progress):
+        res = simulate(make(), traces, latency, max_new_tokens=max_new_tokens, measure_policy=measure_policy)
+        out["methods"][name] = {"name": name, **res.summary()}
+    if with_static:
+        st = best_static(traces, latency, sizes=static_sizes, max_new_tokens=max_new_tokens)
+        replay = simulate(StaticController(StaticConfig(st.width, st.depth, st.size)), traces, latency,
+                          max_new_tokens=max_new_tokens, measure_policy=False).summary()
+        out["best_static"] = {"name": f"best-static W{st.width} D{st.depth} V{st.size}", "width": st.width,
+                              "depth": st.depth, "size": st.size, "modelled_s": st.total_s, "modelled_ar_s": st.ar_s,
+                              "modelled_speedup": st.speedup,
+                              **{k: replay[k] for k in ("cycles", "tau", "mean_depth", "mean_size")}}
+    rows = list(out["methods"].values()) + [r for r in (out["best_static"], out["oracle"]) if r]
+    for r in rows:
+        r["fraction_of_oracle_gain"] = (fraction_of_oracle_gain(r["modelled_speedup"], orc.speedup)
+                                        if orc is not None else None)
+    return out
+
+
+def format_table(result: dict) -> str:
+    """A plain-text table of :func:`compare_methods`' rows."""
+    rows = list(result["methods"].values()) + [r for r in (result["best_static"], result["oracle"]) if r]
+    head = f"{'method':<28} {'speedup':>8} {'tau':>6} {'depth':>6} {'V':>6} {'frac. oracle gain':>18}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        frac = r.get("fraction_of_oracle_gain")
+        tau, dep, size = (r.get(k) for k in ("tau", "mean_depth", "mean_size"))
+        lines.append(f"{r['name']:<28} {r['modelled_speedup']:>7.3f}x "
+                     f"{(f'{tau:.3f}' if tau is not None else '-'):>6} "
+                     f"{(f'{dep:.2f}' if dep is not None else '-'):>6} "
+                     f"{(f'{size:.1f}' if size is not None else '-'):>6} "
+                     f"{(f'{frac:.3f}' if frac is not None else '-'):>18}")
+    return "\n".join(lines)

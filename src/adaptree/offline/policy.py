@@ -1,0 +1,174 @@
+"""Small MLP policies as shipped files: what LTD and Re-SpS run at inference.
+
+Training uses Stable-Baselines3 PPO (whose checkpoints are zip files of pickles: they stay in run
+folders). What ships is the extracted actor, a plain torch MLP, in a folder with ``config.json``
+(:class:`MLPPolicyConfig`; unknown fields refused) and ``model.safetensors`` (loaded strictly: a missing,
+unexpected or mis-shaped tensor is an error that names it). No SB3 import on the inference path.
+
+The network is ``Linear -> act -> ... -> Linear`` (SB3's ``mlp_extractor.policy_net`` followed by its
+``action_net``), giving one logit per discrete action; :meth:`MLPPolicy.act` takes the argmax
+(deterministic, as LTD runs its policies) or samples at a temperature (Re-SpS's max-entropy variant).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from adaptree.methods.radar.policy import load_strict
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+@dataclass
+class MLPPolicyConfig:
+    """Shape of an MLP policy and what its inputs and outputs mean."""
+
+    kind: str
+    """What the policy decides: ``ltd-depth``, ``ltd-size``, ``resps``, ... (checked by the controller)."""
+    obs_dim: int
+    """Length of the observation vector."""
+    actions: list = field(default_factory=list)
+    """The action set, one entry per logit (e.g. [STOP, CONTINUE], the V values, the (TT, d, k) triples)."""
+    hidden: list[int] = field(default_factory=lambda: [1024])
+    """Hidden layer widths of the actor."""
+    activation: str = "tanh"
+    """Activation between layers (SB3's default for PPO: tanh)."""
+    observation: dict = field(default_factory=dict)
+    """How the observation is built (the controller rebuilds it exactly; see each method's module)."""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            raise ValueError("kind must be a non-empty string")
+        if int(self.obs_dim) < 1:
+            raise ValueError(f"obs_dim must be >= 1, got {self.obs_dim}")
+        if len(self.actions) < 2:
+            raise ValueError(f"a policy needs at least 2 actions, got {len(self.actions)}")
+        if any(int(h) < 1 for h in self.hidden):
+            raise ValueError(f"hidden layer widths must be >= 1, got {self.hidden}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        self.hidden = [int(h) for h in self.hidden]
+        self.actions = [a if isinstance(a, (int, float, str)) else list(a) for a in self.actions]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MLPPolicyConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - {"version", "training"})
+        if unknown:
+            raise ValueError(f"unknown policy config fields {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class MLPPolicy(nn.Module):
+    """The actor network: observation ``[obs_dim]`` -> one logit per action."""
+
+    def __init__(self, config: MLPPolicyConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        layers: list[nn.Module] = []
+        width = c.obs_dim
+        for h in c.hidden:
+            layers += [nn.Linear(width, h), ACTIVATIONS[c.activation]()]
+            width = h
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Linear(width, len(c.actions))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(obs))
+
+    @torch.inference_mode()
+    def act(self, obs: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> int:
+        """Index of the chosen action: argmax at ``temperature`` 0, else a sample of softmax(logits / T)."""
+        logits = self.forward(obs)
+        if temperature <= 0.0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    @torch.inference_mode()
+    def act_padded(self, head: torch.Tensor, pad_value: float, width: int, tail: torch.Tensor) -> int:
+        """:meth:`act` (argmax) on the observation ``[head ; pad_value x (width - len(head)) ; tail]`` without
+        multiplying the padding: its share of the first layer, ``b + pad_value * W[:, n:width].sum(1)``, is
+        cached per head length n. For LTD's size policy the padding is most of the input (a depth-1 tree fills
+        10 of 1,110 score slots). Equal to :meth:`act` up to float summation order."""
+        n = head.numel()
+        first = self.body[0] if len(self.body) else self.head
+        if not isinstance(first, nn.Linear) or n > width or width + tail.numel() != first.in_features:
+            raise ValueError(f"act_padded: head {n} + padding to {width} + tail {tail.numel()} does not make the "
+                             f"policy's {self.config.obs_dim} inputs")
+        cache = self.__dict__.setdefault("_pad_cache", {})
+        key = (n, float(pad_value), width)
+        if key not in cache:
+            cache[key] = first.bias + pad_value * first.weight[:, n:width].sum(dim=1)
+        w = first.weight
+        x = cache[key] + w[:, :n] @ head + w[:, width:] @ tail
+        rest = list(self.body)[1:] + [self.head] if len(self.body) else []
+        for layer in rest:
+            x = layer(x)
+        return int(x.argmax())
+
+    # ---- SB3 ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_sb3(cls, sb3_policy, config: MLPPolicyConfig) -> "MLPPolicy":
+        """Copy the actor of an SB3 ``ActorCriticPolicy`` (``mlp_extractor.policy_net`` + ``action_net``)."""
+        src = [m for m in sb3_policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)] + [sb3_policy.action_net]
+        model = cls(config)
+        dst = [m for m in model.body if isinstance(m, nn.Linear)] + [model.head]
+        if len(src) != len(dst):
+            raise ValueError(f"the SB3 actor has {len(src)} linear layers, the config needs {len(dst)}")
+        with torch.no_grad():
+            for s, d in zip(src, dst):
+                if s.weight.shape != d.weight.shape:
+                    raise ValueError(f"SB3 layer shape {tuple(s.weight.shape)} does not match {tuple(d.weight.shape)}")
+                d.weight.copy_(s.weight.detach().cpu())
+                d.bias.copy_(s.bias.detach().cpu())
+        return model.eval()
+
+    # ---- files ----------------------------------------------------------------------------------------
+
+    def save(self, folder: str | os.PathLike, training: dict | None = None) -> Path:
+        """Write ``config.json`` (the config, plus ``training`` facts) and ``model.safetensors``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = {"version": 1, **asdict(self.config)}
+        if training:
+            cfg["training"] = training
+        tensors = {k: v.detach().cpu().float().contiguous() for k, v in self.state_dict().items()}
+        tmp = folder / (WEIGHTS_NAME + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, folder / WEIGHTS_NAME)
+        (folder / (CONFIG_NAME + ".tmp")).write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(folder / (CONFIG_NAME + ".tmp"), folder / CONFIG_NAME)
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, kind: str | None = None) -> "MLPPolicy":
+        """Load a folder written by :meth:`save`, strictly; ``kind`` (if given) must match the config's."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+        for p in (cfg_path, w_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"policy file {str(p)!r} does not exist")
+        config = MLPPolicyConfig.from_dict(json.loads(cfg_path.read_text()))
+        if kind is not None and config.kind != kind:
+            raise ValueError(f"{str(folder)!r} holds a {config.kind!r} policy, a {kind!r} policy is needed")
+        model = cls(config)
+        load_strict(model, load_file(str(w_path)), str(w_path))
+        return model.eval()
+
+
+def training_facts(folder: str | os.PathLike) -> dict:
+    """The ``training`` section of a saved policy's config (empty if none)."""
+    return json.loads((Path(folder) / CONFIG_NAME).read_text()).get("training", {})

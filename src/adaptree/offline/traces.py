@@ -1,0 +1,698 @@
+"""Greedy traces: the draft tree the head grows at every position of the autoregressive output.
+
+With greedy decoding every cycle's context is a prefix of the autoregressive output, so the tree
+drafted at a cycle depends only on where the cycle's root is, and the accepted length of any
+sub-tree follows from the recorded continuation. :func:`record_trace` records, for one prompt:
+
+- the greedy output ``y_0 .. y_{M-1}`` (the engine's tokens up to its stop, then ``max_depth + 1``
+  look-ahead tokens so that a cycle near the end still knows how much it would have accepted);
+- for every root ``y_j`` the engine could reach (``j < end``) and every beam width W of the settings,
+  the tree grown to ``max_depth`` levels exactly as :class:`~adaptree.tree.DraftTree` stores it:
+  candidate tokens and cumulative log-probs level by level (level 1: W, later levels: W*W) and the
+  beam (positions within the level of the W nodes expanded next), from which the parents follow;
+- the target's low/mid/high features of the last accepted position (what a controller sees as
+  ``CycleContext.features``), float16 by default.
+
+How it is computed: the greedy output (one autoregressive run on the :class:`~adaptree.engine.Engine`
+plus the look-ahead; a :class:`TraceStore` computes 8 prompts' at once with :func:`greedy_outputs`),
+one target forward over the whole sequence for the features, one draft-head prefill over
+the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
+level for all of them, each root's nodes masked to its own context and ancestors). The live engine
+feeds the head in chunks (one per accepted path), one tree at a time, and takes the features from its
+tree-verification forwards, so the recorded scores can differ from a live run's in the last float bits
+(tests/test_traces.py measures it, and checks the trees against the live engine's); the discrete
+outcome (tokens, beams, selections, accepted lengths) is what the simulator must and does reproduce.
+
+On disk (:func:`save_trace`): one safetensors file per prompt (numpy arrays, no pickles) whose
+metadata key ``adaptree_trace`` holds a JSON header: format version, fingerprints (sha256) of the
+target, the head and the settings, the settings themselves, the prompt's key, the stop reason and
+the emitted length. Tensors: ``prompt`` int32 [n], ``output`` int32 [M], ``features`` [end, 3H]
+(absent with ``feature_dtype="none"``), and per width ``w{W}.tokens`` int32 [end, C],
+``w{W}.scores`` float32 [end, C], ``w{W}.beam`` int16 [end, max_depth, W], ``w{W}.entropy`` float32
+[end, max_depth, W] (per-row draft entropies, where the tree code exposes them) with
+C = W + (max_depth - 1) * W * W. A :class:`TraceStore` is a folder of such files plus
+``manifest.json``; recording into it resumes and refuses a different model, head or settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRACE_VERSION = 1
+META_KEY = "adaptree_trace"
+FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32, "none": None}
+
+
+# --------------------------------------------------------------------------------------------------
+# settings and fingerprints
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What a trace is recorded with; part of its fingerprint."""
+
+    widths: tuple[int, ...] = (10,)
+    """Beam widths W to record a tree for at every position (Re-SpS needs several)."""
+    max_depth: int = 12
+    """Levels drafted at every position (LTD's maximum depth)."""
+    max_new_tokens: int = 256
+    """The engine's token limit; the trace covers the output up to it (or EOS) plus a look-ahead."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these (kept in the output), as in the engine."""
+    max_seq_len: int | None = None
+    """The engine's context limit; None = the target's."""
+    feature_dtype: str = "float16"
+    """Stored target features: float16, float32 (exact replay of feature-based controllers) or none."""
+    extra: tuple[tuple[str, str], ...] = ()
+    """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
+
+    def __post_init__(self) -> None:
+        from adaptree.core.controller import MAX_DEPTH, MAX_WIDTH
+
+        widths = tuple(int(w) for w in self.widths)
+        if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths) or len(set(widths)) != len(widths):
+            raise ValueError(f"widths must be distinct integers in 1..{MAX_WIDTH}, got {self.widths!r}")
+        object.__setattr__(self, "widths", tuple(sorted(widths)))
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in 1..{MAX_DEPTH}, got {self.max_depth}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.feature_dtype not in FEATURE_DTYPES:
+            raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.feature_dtype!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
+        object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["widths"] = list(self.widths)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TraceSettings":
+        d = dict(d)
+        d["widths"] = tuple(d["widths"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["extra"] = tuple(dict(d.get("extra") or {}).items())
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _hash_state(h, module: torch.nn.Module, skip: Iterable[str] = ()) -> None:
+    skip = set(skip)
+    for name, t in sorted(module.state_dict().items()):
+        if name in skip:
+            continue
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def model_fingerprint(target: torch.nn.Module) -> str:
+    """sha256 of a target's configuration and weights (dtype included: bf16 and fp32 traces differ)."""
+    h = hashlib.sha256(b"adaptree-target|")
+    h.update(repr(target.config).encode())
+    _hash_state(h, target)
+    return h.hexdigest()
+
+
+def head_fingerprint(head: torch.nn.Module) -> str:
+    """sha256 of a draft head's configuration and weights (own embeddings included, borrowed ones not:
+    those are the target's, covered by :func:`model_fingerprint`)."""
+    h = hashlib.sha256(b"adaptree-head|")
+    h.update(repr(head.config).encode())
+    _hash_state(h, head)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# in-memory traces
+# --------------------------------------------------------------------------------------------------
+
+
+def num_candidates(width: int, depth: int) -> int:
+    """Candidates of a tree with ``depth`` levels: W + (depth - 1) * W^2."""
+    return 0 if depth <= 0 else width + (depth - 1) * width * width
+
+
+def level_offset(width: int, level: int) -> int:
+    """Index of the first candidate of 1-based ``level`` in the level-by-level storage."""
+    return num_candidates(width, level - 1)
+
+
+@dataclass
+class WidthTrace:
+    """The trees of one width at every root position of one prompt."""
+
+    width: int
+    max_depth: int
+    tokens: np.ndarray
+    """``[J, C]`` int32 candidate target-token ids, level by level."""
+    scores: np.ndarray
+    """``[J, C]`` float32 cumulative log-probs."""
+    beam: np.ndarray
+    """``[J, max_depth, W]`` int16: positions within each level of its beam (the top-W of the level)."""
+    entropy: np.ndarray | None = None
+    """``[J, max_depth, W]`` float32 entropy (nats) of each distribution a level's draft forward produced
+    (row r of level d = the distribution of ``child_scores`` row r; level 1 has one row, the rest NaN);
+    None when the tree code exposes no ``DraftStep.entropy``."""
+    _torch: tuple | None = field(default=None, repr=False)
+
+    @property
+    def candidates(self) -> int:
+        return self.tokens.shape[1]
+
+    def depths(self) -> np.ndarray:
+        """``[C]`` 1-based level of every candidate (the same at every position)."""
+        w = self.width
+        return np.concatenate([np.ones(w, np.int64)] + [np.full(w * w, d, np.int64)
+                                                        for d in range(2, self.max_depth + 1)])
+
+    def parents(self) -> np.ndarray:
+        """``[J, C]`` int64 parent candidate index (-1 for level 1), as ``DraftTree.candidate_parents``."""
+        j, w = self.tokens.shape[0], self.width
+        out = np.empty((j, self.candidates), np.int64)
+        out[:, :w] = -1
+        for d in range(2, self.max_depth + 1):
+            start, prev = level_offset(w, d), level_offset(w, d - 1)
+            cand = self.beam[:, d - 2].astype(np.int64) + prev  # [J, W] beam of level d-1
+            out[:, start:start + w * w] = np.repeat(cand, w, axis=1)
+        return out
+
+    def torch_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens int64, scores float32, parents int64, depths int64, beam int64) as torch tensors, cached."""
+        if self._torch is None:
+            self._torch = (torch.from_numpy(self.tokens.astype(np.int64)), torch.from_numpy(self.scores),
+                           torch.from_numpy(self.parents()), torch.from_numpy(self.depths()),
+                           torch.from_numpy(self.beam.astype(np.int64)))
+        return self._torch
+
+
+@dataclass
+class PromptTrace:
+    """Everything recorded for one prompt (see the module docstring)."""
+
+    key: str
+    prompt: np.ndarray
+    """``[n]`` prompt token ids."""
+    output: np.ndarray
+    """``[M]`` greedy output: the engine's tokens (``end`` of them) then the look-ahead."""
+    end: int
+    """Tokens the engine emits (its stop included: EOS, max_new_tokens or the context limit)."""
+    stop_reason: str
+    max_len: int
+    """The engine's context limit (prompt + generated)."""
+    settings: TraceSettings
+    widths: dict[int, WidthTrace]
+    features: np.ndarray | None = None
+    """``[end, 3H]`` target features of the position before each root (``CycleContext.features``)."""
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    """``model``, ``head``, ``settings`` sha256 digests."""
+    info: dict = field(default_factory=dict)
+    """Diagnostics (e.g. ``full_forward_mismatches``: output tokens the single full forward disagrees on)."""
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return self.settings.max_depth
+
+    def width(self, w: int) -> WidthTrace:
+        if w not in self.widths:
+            raise ValueError(f"width W={w} was not recorded in trace {self.key!r} (recorded: "
+                             f"{', '.join(map(str, sorted(self.widths)))}); record it with --width {w}")
+        return self.widths[w]
+
+    def header(self) -> dict:
+        return {"version": TRACE_VERSION, "key": self.key, "end": self.end, "stop_reason": self.stop_reason,
+                "max_len": self.max_len, "settings": self.settings.to_dict(), "fingerprints": self.fingerprints,
+                "info": self.info}
+
+
+# --------------------------------------------------------------------------------------------------
+# acceptance from a trace
+# --------------------------------------------------------------------------------------------------
+
+
+def match_mask(wt: WidthTrace, output: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    """``[J', C]`` bool: candidate's whole path equals the greedy continuation after root ``j``
+    (``output[j+1], output[j+2], ...``). Continuation tokens past the recorded output never match."""
+    w, d_max = wt.width, wt.max_depth
+    pos = np.arange(wt.tokens.shape[0]) if positions is None else np.asarray(positions)
+    tokens = wt.tokens[pos]
+    m = len(output)
+    padded = np.concatenate([np.asarray(output, np.int64), np.full(d_max + 1, -1, np.int64)])
+    out = np.zeros(tokens.shape, dtype=bool)
+    out[:, :w] = tokens[:, :w] == padded[pos + 1][:, None]
+    for d in range(2, d_max + 1):
+        start, prev = level_offset(w, d), level_offset(w, d - 1)
+        parent_ok = np.take_along_axis(out[:, prev:prev + (w if d == 2 else w * w)],
+                                       wt.beam[pos, d - 2].astype(np.int64), axis=1)  # [J', W] beam rows
+        want = padded[pos + d][:, None]
+        out[:, start:start + w * w] = (tokens[:, start:start + w * w] == want) & np.repeat(parent_ok, w, axis=1)
+    out[pos + 1 >= m] = False  # no continuation recorded at all
+    return out
+
+
+def _top_order(scores: torch.Tensor) -> torch.Tensor:
+    """The order ``DraftTree.select`` ranks candidates in (stable descending sort of the scores)."""
+    return torch.sort(scores, descending=True, stable=True).indices
+
+
+def acceptance_table(wt: WidthTrace, output: np.ndarray, depth: int,
+                     positions: np.ndarray | None = None) -> np.ndarray:
+    """``[J', C_depth + 1]`` int: accepted draft tokens under greedy verification for every size
+    V = 0..C_depth of the tree cut at ``depth`` levels, at every root position.
+
+    The verified tree is the top-V candidates of levels 1..depth by cumulative score (the rule of
+    ``DraftTree.select``); the accepted length is the depth of its deepest node whose path matches
+    the continuation (the selected set is a tree, so that node's ancestors are in it too).
+    """
+    if not 1 <= depth <= wt.max_depth:
+        raise ValueError(f"depth must be in 1..{wt.max_depth}, got {depth}")
+    pos = np.arange(wt.tokens.shape[0]) if positions is None else np.asarray(positions)
+    c = num_candidates(wt.width, depth)
+    match = match_mask(wt, output, pos)[:, :c]
+    gain = torch.from_numpy(np.where(match, wt.depths()[:c], 0))
+    order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[pos, :c])))
+    ranked = torch.gather(gain, 1, order)
+    best = torch.cummax(ranked, dim=1).values
+    return torch.cat([torch.zeros(len(pos), 1, dtype=best.dtype), best], dim=1).numpy()
+
+
+def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: int, size: int,
+                    match: np.ndarray | None = None) -> int:
+    """Accepted draft tokens at root ``position`` for the tree cut at ``depth`` levels, top ``size``
+    candidates verified (``size`` is clamped to the candidate count). ``match``: this position's row
+    of :func:`match_mask`, if already computed."""
+    if depth <= 0 or size <= 0:
+        return 0
+    c = num_candidates(wt.width, depth)
+    v = min(int(size), c)
+    if match is None:
+        match = match_mask(wt, output, np.array([position]))[0]
+    m = match[:c]
+    if not m.any():
+        return 0
+    order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[position, :c])))[:v].numpy()
+    sel = m[order]
+    if not sel.any():
+        return 0
+    return int(wt.depths()[order[sel]].max())
+
+
+# --------------------------------------------------------------------------------------------------
+# recording
+# --------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def greedy_outputs(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Sequence[int] = (),
+                   max_len: int | None = None, lookahead: int = 0) -> list[tuple[list[int], int, str]]:
+    """The engine's greedy autoregressive output of several prompts at once: per prompt ``(tokens, end,
+    stop_reason)`` with ``tokens[:end]`` what :meth:`Engine.generate <adaptree.engine.Engine.generate>`
+    emits (EOS kept; stops ``eos``, ``max_new_tokens``, ``context_limit`` as there) followed by up to
+    ``lookahead`` more tokens (no EOS stop; :func:`record_trace`'s look-ahead).
+
+    The prompts are left-padded into one batch (padding masked out of every row's attention, true
+    positions for the rotary embedding), so one target forward per token serves all of them: on a
+    CPU a batch-1 step reads every weight for one token, and a batch of 8 costs little more.
+    Batch shapes round differently from batch 1, so on a near-tie a row could take the other token
+    than the engine would; ``record_trace`` counts the tokens its full forward disagrees with.
+    """
+    from adaptree.core.verify import greedy_tokens
+
+    max_len = min(max_len or target.max_seq_len, target.max_seq_len)
+    eos = set(int(t) for t in eos_token_ids)
+    lens = [len(p) for p in prompts]
+    if not prompts or min(lens) == 0:
+        raise ValueError("every prompt needs at least one token")
+    if max(lens) >= max_len:
+        raise ValueError(f"a prompt has {max(lens)} tokens; the context limit is {max_len}, leaving no room")
+    b, width, dev = len(prompts), max(lens), target.device
+    # A row may emit min(max_new_tokens, max_len - n + 1) tokens, then look ahead while the context has room.
+    limit = [min(max_new_tokens, max_len - n + 1) for n in lens]
+    steps = max(min(max_new_tokens + lookahead, max_len - n + 1) for n in lens)
+    pad = torch.tensor([width - n for n in lens], device=dev)
+    ids = torch.zeros(b, width, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor([int(t) for t in p], device=dev)
+    slots = torch.arange(width, device=dev)
+    visible = slots[None] >= pad[:, None]  # [B, K]: key slots holding a real token
+    mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril_() & visible[:, None, :]
+    mask |= torch.eye(width, dtype=torch.bool, device=dev)  # padding rows see themselves (no NaN rows)
+    cache = target.new_cache(width + steps, batch=b)
+    out = target(ids, position_ids=(slots[None] - pad[:, None]).clamp_(min=0), cache=cache, tree_mask=mask,
+                 logits_at=slice(-1, None))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    ends: list[int | None] = [None] * b
+    stops = [""] * b
+    want = [steps] * b  # tokens each row needs (known once its end is)
+    next_pos = torch.tensor(lens, device=dev)
+    for _ in range(steps):
+        tok = greedy_tokens(out.logits[:, -1])
+        for i, t in enumerate(tok.tolist()):
+            if len(tokens[i]) >= want[i]:
+                continue
+            tokens[i].append(t)
+            if ends[i] is None:
+                k = len(tokens[i])
+                stop = "eos" if t in eos else "max_new_tokens" if k >= max_new_tokens else \
+                    "context_limit" if k >= limit[i] else ""
+                if stop:
+                    ends[i], stops[i] = k, stop
+                    room = lens[i] + k < max_len
+                    want[i] = k + (min(lookahead, max_len - lens[i] - k + 1) if room else 0)
+        if all(len(t) >= w for t, w in zip(tokens, want)):
+            break
+        visible = torch.cat([visible, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
+        pos = next_pos.clamp(max=max_len - 1)[:, None]  # rows already done run on, their tokens unused
+        out = target(tok[:, None], position_ids=pos, cache=cache, tree_mask=visible[:, None, :])
+        next_pos += 1
+    return [(t[:w], int(e), s) for t, w, e, s in zip(tokens, want, ends, stops)]
+
+
+@torch.inference_mode()
+def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end: int, width: int, max_depth: int,
+               batch: int = 16) -> WidthTrace:
+    """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
+
+    Root ``j`` (context ``ctx = n + j``) is what :class:`~adaptree.tree.DraftTree` grows after consuming the
+    pending pair ``(f_{ctx-1}, y_j)`` over a cache holding the pairs before it; here the pending pairs of
+    ``batch`` roots go through one causal forward (pair ``i`` sees pairs ``< i``: exactly the context root
+    ``j0 + i`` has, and the committed pairs the next chunk starts from), and every later level is one
+    forward over the ``batch * W`` beam nodes, a node seeing its root's pairs and its own ancestors. The
+    expansion rule is DraftTree's (top-W children per row, cumulative log-probs, the level's global
+    top-W as the next beam), applied row-wise per root; tests/test_traces.py checks the trees against
+    the live engine's. ``cache`` must hold the pairs ``t < n - 1`` and room for a chunk's tree.
+    """
+    w, dev = width, feats.device
+    c = num_candidates(w, max_depth)
+    tokens = np.zeros((end, c), np.int32)
+    scores = np.zeros((end, c), np.float32)
+    beam = np.zeros((end, max_depth, w), np.int16)
+    entropy = np.full((end, max_depth, w), np.nan, np.float32)
+
+    def expand(logits, parent_scores):  # logits [R, vocab], parent_scores [R] -> per-row top-W children
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top_lp, top_ids = logp.topk(w, dim=-1)
+        ent = torch.special.entr(logp.exp()).sum(-1)
+        return parent_scores[:, None] + top_lp, head.draft_to_target(top_ids.reshape(-1)), ent
+
+    for j0 in range(0, end, batch):
+        b = min(batch, end - j0)
+        ctx0 = n + j0
+        if cache.length < ctx0 - 1:
+            raise RuntimeError(f"draft cache holds {cache.length} positions, expected at least {ctx0 - 1}")
+        cache.truncate(ctx0 - 1)
+        out_h, logits = head(feats[:, ctx0 - 1:ctx0 - 1 + b], seq[:, ctx0:ctx0 + b], cache=cache)
+        base_pos = torch.arange(ctx0 - 1, ctx0 - 1 + b, device=dev)  # draft position of each root's input
+        rows_of = torch.arange(b, device=dev)[:, None] * w  # first beam row of each root
+        child, tok, ent = expand(logits[0], torch.zeros(b, device=dev))  # [b, W]
+        beam_hidden = out_h[0].repeat_interleave(w, dim=0)  # every depth-1 beam node reads its root's output
+        # Key slots after the committed context: the b pending pairs, then the tree levels as written.
+        see_pairs = torch.ones(b, b, dtype=torch.bool, device=dev).tril_().repeat_interleave(w, dim=0)
+        anc = torch.zeros(b * w, 0, dtype=torch.bool, device=dev)
+        sl = slice(j0, j0 + b)
+        for d in range(1, max_depth + 1):
+            start, level = level_offset(w, d), tok.reshape(b, -1)  # W (level 1) or W*W children per root
+            flat = child.reshape(b, -1)
+            tokens[sl, start:start + level.shape[1]] = level.cpu().numpy()
+            scores[sl, start:start + level.shape[1]] = flat.cpu().numpy()
+            entropy[sl, d - 1, :ent.numel() // b] = ent.reshape(b, -1).cpu().numpy()
+            beam_scores, beam_pos = flat.topk(w, dim=-1)  # [b, W] positions within the level
+            beam[sl, d - 1] = beam_pos.cpu().numpy()
+            if d == max_depth:
+                break
+            rows = (torch.div(beam_pos, w, rounding_mode="floor") + (rows_of if d > 1 else 0)).reshape(-1)
+            beam_tokens = level.gather(1, beam_pos).reshape(1, -1)
+            if d > 1:
+                beam_hidden = out_h[0, rows]
+                anc = mask[rows, b:]
+            mask = torch.cat([see_pairs, anc, torch.eye(b * w, dtype=torch.bool, device=dev)], dim=1)
+            pos = (base_pos + d).repeat_interleave(w)
+            out_h, logits = head(beam_hidden[None], beam_tokens, position_ids=pos, cache=cache, tree_mask=mask)
+            child, tok, ent = expand(logits[0], beam_scores.reshape(-1))  # [b*W, W]
+    return WidthTrace(w, max_depth, tokens, scores, beam, entropy)
+
+
+@torch.inference_mode()
+def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 256, width: int | Sequence[int] = 10,
+                 max_depth: int = 12, eos_token_ids: Sequence[int] = (), *, settings: TraceSettings | None = None,
+                 key: str = "prompt", fingerprints: dict[str, str] | None = None, batch: int = 16,
+                 output: tuple[Sequence[int], int, str] | None = None) -> PromptTrace:
+    """Record the trace of one prompt (see the module docstring).
+
+    :param width: one beam width or several (a tree is recorded per width).
+    :param settings: overrides ``max_new_tokens``, ``width``, ``max_depth`` and ``eos_token_ids``.
+    :param fingerprints: precomputed ``model``/``head`` digests (hashing a large model once per prompt is waste).
+    :param batch: roots whose trees are grown together (:func:`grow_trees`); the trace does not depend on it
+        beyond the last float bits.
+    :param output: the greedy output already computed (``(tokens with look-ahead, end, stop_reason)``, one
+        item of :func:`greedy_outputs`); the engine run is skipped.
+    """
+    from adaptree.core.engine import Engine
+
+    if settings is None:
+        widths = (width,) if isinstance(width, int) else tuple(width)
+        settings = TraceSettings(widths=widths, max_depth=max_depth, max_new_tokens=max_new_tokens,
+                                 eos_token_ids=tuple(eos_token_ids))
+    s = settings
+    prompt = [int(t) for t in prompt_ids]
+    n = len(prompt)
+    max_len = min(s.max_seq_len or target.max_seq_len, target.max_seq_len)
+    if output is not None:
+        out, end, stop = list(output[0]), int(output[1]), str(output[2])
+    else:
+        eng = Engine(target, None, eos_token_ids=s.eos_token_ids, max_seq_len=s.max_seq_len)
+        res = eng.generate(prompt, None, max_new_tokens=s.max_new_tokens)
+        out = list(res.token_ids)
+        end, stop = len(out), res.stop_reason
+        if n + end < eng.max_len:  # look-ahead: what the target would say after the engine stopped
+            eng.eos = frozenset()
+            more = eng.generate(prompt + out, None, max_new_tokens=s.max_depth + 1)
+            out += more.token_ids
+    seq = torch.tensor([prompt + out], dtype=torch.long, device=target.device)
+    total = seq.shape[1]
+
+    # Features of every position from one forward (and a check of its greedy tokens against the run).
+    fwd = target(seq[:, :-1], features=True, logits_at=slice(n - 1, None))
+    feats = fwd.features  # [1, total-1, 3H]
+    from adaptree.core.verify import greedy_tokens
+    mismatches = int((greedy_tokens(fwd.logits[0]) != seq[0, n:]).sum())
+
+    # Head: one prefill over the committed pairs (f_t, s_{t+1}) for t < n - 1, then the trees of
+    # ``batch`` consecutive roots at a time (grow_trees).
+    width_max = max(s.widths)
+    cache = head.new_cache(max_len + batch * (1 + (s.max_depth - 1) * width_max))
+    if n > 1:
+        head(feats[:, :n - 1], seq[:, 1:n], cache=cache, logits_at=slice(-1, None))
+    widths = {w: grow_trees(head, cache, feats, seq, n, end, w, s.max_depth, batch) for w in s.widths}
+    np_dtype = FEATURE_DTYPES[s.feature_dtype]
+    features = None
+    info = {"full_forward_mismatches": mismatches, "total_len": total}
+    if np_dtype is not None:
+        f32 = feats[0, n - 1:n - 1 + end].float().cpu().numpy()
+        features = f32.astype(np_dtype)
+        if not np.isfinite(features).all() and np.isfinite(f32).all():  # float16 overflow: keep float32
+            features, info["features_float32_overflow"] = f32, True
+    fps = dict(fingerprints or {})
+    fps.setdefault("model", model_fingerprint(target))
+    fps.setdefault("head", head_fingerprint(head))
+    fps["settings"] = s.fingerprint()
+    return PromptTrace(key=key, prompt=np.asarray(prompt, np.int32), output=np.asarray(out, np.int32), end=end,
+                       stop_reason=stop, max_len=max_len, settings=s, widths=widths, features=features,
+                       fingerprints=fps, info=info)
+
+
+# --------------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------------
+
+
+def save_trace(trace: PromptTrace, path: str | os.PathLike) -> None:
+    """Write one prompt's trace as safetensors (atomically: a temporary file renamed into place)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"prompt": trace.prompt.astype(np.int32), "output": trace.output.astype(np.int32)}
+    if trace.features is not None:
+        tensors["features"] = np.ascontiguousarray(trace.features)
+    for w, wt in trace.widths.items():
+        tensors[f"w{w}.tokens"] = np.ascontiguousarray(wt.tokens.astype(np.int32))
+        tensors[f"w{w}.scores"] = np.ascontiguousarray(wt.scores.astype(np.float32))
+        tensors[f"w{w}.beam"] = np.ascontiguousarray(wt.beam.astype(np.int16))
+        if wt.entropy is not None:
+            tensors[f"w{w}.entropy"] = np.ascontiguousarray(wt.entropy.astype(np.float32))
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(trace.header(), sort_keys=True)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata() or {}
+    if META_KEY not in meta:
+        raise ValueError(f"{path} is not an adaptree trace (no {META_KEY!r} header)")
+    header = json.loads(meta[META_KEY])
+    if header.get("version") != TRACE_VERSION:
+        raise ValueError(f"{path}: trace format version {header.get('version')!r}, this adaptree reads {TRACE_VERSION}")
+    return header
+
+
+def check_fingerprints(found: dict[str, str], expect: dict[str, str] | None, where: str) -> None:
+    """Raise a ValueError naming what differs when ``found`` does not match ``expect`` (keys in ``expect``)."""
+    if not expect:
+        return
+    what = {"model": "target model", "head": "draft head", "settings": "trace settings"}
+    for k, v in expect.items():
+        if v is not None and found.get(k) != v:
+            raise ValueError(f"{where} was recorded with a different {what.get(k, k)} "
+                             f"(sha256 {str(found.get(k))[:12]}..., expected {v[:12]}...); "
+                             f"record traces for this {what.get(k, k)} into another folder")
+
+
+def load_trace(path: str | os.PathLike, expect: dict[str, str] | None = None) -> PromptTrace:
+    """Read a trace written by :func:`save_trace`; ``expect`` (``model``/``head``/``settings`` digests)
+    refuses a trace recorded with anything else."""
+    from safetensors.numpy import load_file
+
+    header = read_header(path)
+    check_fingerprints(header["fingerprints"], expect, f"trace {path}")
+    arrays = load_file(str(path))
+    s = TraceSettings.from_dict(header["settings"])
+    widths = {w: WidthTrace(w, s.max_depth, arrays[f"w{w}.tokens"], arrays[f"w{w}.scores"], arrays[f"w{w}.beam"],
+                            arrays.get(f"w{w}.entropy")) for w in s.widths}
+    return PromptTrace(key=header["key"], prompt=arrays["prompt"], output=arrays["output"], end=header["end"],
+                       stop_reason=header["stop_reason"], max_len=header["max_len"], settings=s, widths=widths,
+                       features=arrays.get("features"), fingerprints=header["fingerprints"], info=header.get("info", {}))
+
+
+def _safe_name(key: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "prompt"
+    return name[:80] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+class TraceStore:
+    """A folder of traces: ``manifest.json`` (fingerprints + settings) and one file per prompt.
+
+    Opening a folder recorded with another model, head or settings raises ``ValueError``; recording
+    skips the prompts already there (resume) and re-records a prompt whose stored ids differ.
+    """
+
+    def __init__(self, folder: str | os.PathLike, fingerprints: dict[str, str] | None = None,
+                 settings: TraceSettings | None = None) -> None:
+        self.folder = Path(folder)
+        self.manifest_path = self.folder / "manifest.json"
+        manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else None
+        if manifest is None:
+            if fingerprints is None or settings is None:
+                raise FileNotFoundError(f"no trace manifest in {self.folder}")
+            fps = {**fingerprints, "settings": settings.fingerprint()}
+            self.folder.mkdir(parents=True, exist_ok=True)
+            manifest = {"version": TRACE_VERSION, "fingerprints": fps, "settings": settings.to_dict()}
+            tmp = self.manifest_path.with_name("manifest.json.tmp")
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.manifest_path)
+        else:
+            if manifest.get("version") != TRACE_VERSION:
+                raise ValueError(f"{self.manifest_path}: trace format version {manifest.get('version')!r}, "
+                                 f"this adaptree reads {TRACE_VERSION}")
+            expect = dict(fingerprints or {})
+            if settings is not None:
+                expect["settings"] = settings.fingerprint()
+                if manifest["fingerprints"].get("settings") != expect["settings"]:
+                    old = TraceSettings.from_dict(manifest["settings"]).to_dict()
+                    diff = {k: (old[k], v) for k, v in settings.to_dict().items() if old.get(k) != v}
+                    raise ValueError(f"trace folder {self.folder} was recorded with other settings "
+                                     f"(recorded vs requested: {diff}); use another folder")
+            check_fingerprints(manifest["fingerprints"], expect, f"trace folder {self.folder}")
+        self.fingerprints: dict[str, str] = manifest["fingerprints"]
+        self.settings = TraceSettings.from_dict(manifest["settings"])
+
+    def path(self, key: str) -> Path:
+        return self.folder / (_safe_name(key) + ".safetensors")
+
+    def has(self, key: str, prompt_ids: Sequence[int] | None = None) -> bool:
+        p = self.path(key)
+        if not p.exists():
+            return False
+        try:
+            header = read_header(p)
+        except Exception:  # a torn or foreign file: record again
+            return False
+        check_fingerprints(header["fingerprints"], self.fingerprints, f"trace {p}")
+        if prompt_ids is not None:
+            from safetensors import safe_open
+            with safe_open(str(p), "np") as f:
+                stored = f.get_tensor("prompt")
+            if stored.tolist() != [int(t) for t in prompt_ids]:
+                return False
+        return True
+
+    def put(self, trace: PromptTrace) -> Path:
+        check_fingerprints(trace.fingerprints, self.fingerprints, f"trace {trace.key!r}")
+        p = self.path(trace.key)
+        save_trace(trace, p)
+        return p
+
+    def keys_on_disk(self) -> list[Path]:
+        return sorted(self.folder.glob("*.safetensors"))
+
+    def load_all(self) -> list[PromptTrace]:
+        return [load_trace(p, self.fingerprints) for p in self.keys_on_disk()]
+
+    def record(self, target, head, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True,
+               prompt_batch: int = 8) -> dict:
+        """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped).
+
+        The greedy outputs of ``prompt_batch`` prompts at a time come from one batched autoregressive run
+        (:func:`greedy_outputs`); every trace is saved as soon as it is complete (an interrupted
+        recording resumes from the prompts already stored).
+        """
+        from tqdm import tqdm
+
+        if prompt_batch < 1:
+            raise ValueError(f"prompt_batch must be >= 1, got {prompt_batch}")
+        fps = {"model": self.fingerprints["model"], "head": self.fingerprints["head"]}
+        s = self.settings
+        # Prompts of similar lengths share a batch (less padding).
+        todo = sorted(((k, ids) for k, ids in prompts if not self.has(k, ids)), key=lambda p: len(p[1]))
+        skipped, done = len(prompts) - len(todo), 0
+        bar = tqdm(total=len(prompts), initial=skipped, desc="traces", unit="prompt", disable=not progress)
+        for i in range(0, len(todo), prompt_batch):
+            chunk = todo[i:i + prompt_batch]
+            outs = greedy_outputs(target, [ids for _, ids in chunk], s.max_new_tokens, s.eos_token_ids,
+                                  s.max_seq_len, lookahead=s.max_depth + 1)
+            for (key, ids), output in zip(chunk, outs):
+                self.put(record_trace(target, head, ids, settings=s, key=key, fingerprints=fps, output=output))
+                done += 1
+                bar.update(1)
+                bar.set_postfix(recorded=done, skipped=skipped)
+        bar.close()
+        return {"recorded": done, "skipped": skipped}
+
+
+def open_store_for(folder: str | os.PathLike, target, head, settings: TraceSettings) -> TraceStore:
+    """A store for recording ``target`` + ``head`` with ``settings`` (fingerprints computed here)."""
+    return TraceStore(folder, {"model": model_fingerprint(target), "head": head_fingerprint(head)}, settings)
