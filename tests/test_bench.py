@@ -12,10 +12,10 @@ from adaptree.bench.report import summarize, write_report
 from adaptree.bench.runner import (
     BenchConfig,
     bench_loop,
-    check_out_dir,
     finish,
     read_records,
 )
+from adaptree.offline.runs import check_out_dir
 from adaptree.bench.stats import (
     acceptance_by_position,
     bootstrap_ratio_ci,

@@ -125,12 +125,13 @@ def test_shipped_policies_load_and_are_lossless(smollm2, shipped_engine):
     """Every learned or tuned method shipped next to the default head loads without flags and leaves the
     fp32 greedy output identical to AR; the learned controllers actually shape the tree."""
     from adaptree.methods import LEARNED, make_controller
+    from adaptree.models.registry import shipped_head
 
     tok, eng = smollm2[1], shipped_engine
     ids = tok.apply_chat([{"role": "user", "content": "Write a Python function that checks for palindromes."}])
     ar = eng.generate(ids, None, max_new_tokens=32)
     for method in ("static-gs", *LEARNED):
-        res = eng.generate(ids, make_controller(method), max_new_tokens=32)
+        res = eng.generate(ids, make_controller(method, head_folder=shipped_head()), max_new_tokens=32)
         assert res.token_ids == ar.token_ids, method
         assert res.tau > 1.0 and all(c.depth >= 1 for c in res.cycles), method
 
@@ -139,7 +140,8 @@ def test_batched_trace_recording_matches_the_engine_on_the_real_model(smollm2, s
     """Trace recording's batched paths on the real model (float32): the left-padded greedy run of
     prompts of different lengths gives the engine's outputs, and the trees grown 16 roots at a time
     are the live engine's (the first cycle's tree of a static run, every level)."""
-    from adaptree.offline.traces import TraceSettings, greedy_outputs, record_trace
+    from adaptree.core.batched import batched_decode as greedy_outputs
+    from adaptree.offline.traces import TraceSettings, record_trace
 
     target, tok = smollm2
     eng = shipped_engine

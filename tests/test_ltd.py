@@ -258,9 +258,6 @@ def test_depth_policy_sees_every_step_and_the_true_context_length(models):
 
 
 def test_ltd_config_errors_name_the_problem(tmp_path, monkeypatch):
-    import adaptree.methods.ltd.controller as ltd
-
-    monkeypatch.setattr(ltd, "SHIPPED", tmp_path / "none")
     with pytest.raises(ValueError, match="--ltd-depth-policy"):
         make_controller("ltd")
     with pytest.raises(ValueError, match="--ltd-size-policy"):

@@ -258,8 +258,6 @@ def ctl_decisions(eng, pol):
 def test_policy_files_load_strictly_and_errors_name_the_problem(models, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
-    import adaptree.methods.resps.controller as resps
-
     pol = nearest_center_policy()
     pol.save(tmp_path / "p", training={"inference_temperature": 1.5})
     c = make_controller("resps", policy=str(tmp_path / "p"))
@@ -317,8 +315,7 @@ def test_policy_files_load_strictly_and_errors_name_the_problem(models, tmp_path
         ReSpSConfig(state="sum")
     with pytest.raises(ValueError, match="bad options for method 'resps'.*interval"):
         make_controller("resps", width=4)
-    # nothing shipped: the error names the flag
-    monkeypatch.setattr(resps, "SHIPPED", tmp_path / "none")
+    # nothing given and no head folder: the error names the flag
     with pytest.raises(ValueError, match="--resps-policy PATH"):
         make_controller("resps")
 

@@ -1,3 +1,51 @@
-"""adaptree: lossless LLM inference acceleration with EAGLE-3 speculative decoding and adaptive draft trees."""
+"""adaptree: lossless LLM inference acceleration with EAGLE-3 speculative decoding and adaptive draft trees.
+
+The public API (:mod:`adaptree.api`)::
+
+    import adaptree
+    p = adaptree.load()            # the default model (SmolLM2-135M-Instruct) with its shipped draft head
+    print(p.generate("Name three primes.", method="ltd", max_new_tokens=32).text)
+
+- :func:`load` -> :class:`Pipeline`; :meth:`Pipeline.generate` -> :class:`Generation` (text, ids, cycle
+  records); :meth:`Pipeline.stream` -> an iterator over text pieces.
+- :data:`METHODS`: the method names; :class:`SamplingConfig`: temperature, top-p, top-k, seed.
+
+Names are imported on first use, so ``import adaptree`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "load": "adaptree.api", "Pipeline": "adaptree.api", "Generation": "adaptree.api", "Stream": "adaptree.api",
+    "DTYPES": "adaptree.api", "SamplingConfig": "adaptree.core.verify", "GenerationResult": "adaptree.core.records",
+    "CycleRecord": "adaptree.core.records", "Controller": "adaptree.core.controller",
+    "TreePlan": "adaptree.core.controller", "METHODS": "adaptree.methods", "make_controller": "adaptree.methods",
+    "MissingAssetError": "adaptree.methods",
+}
+
+__all__ = ["__version__", "load", "Pipeline", "Generation", "Stream", "DTYPES", "SamplingConfig", "GenerationResult",
+           "CycleRecord", "Controller", "TreePlan", "METHODS", "make_controller", "MissingAssetError"]
+
+if TYPE_CHECKING:
+    from adaptree.api import DTYPES, Generation, Pipeline, Stream, load
+    from adaptree.core.controller import Controller, TreePlan
+    from adaptree.core.records import CycleRecord, GenerationResult
+    from adaptree.core.verify import SamplingConfig
+    from adaptree.methods import METHODS, MissingAssetError, make_controller
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'adaptree' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

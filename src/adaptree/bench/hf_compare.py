@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -19,19 +21,38 @@ from tqdm import tqdm
 from adaptree.bench.hf_arms import hf_twin
 from adaptree.core.machine import machine_info
 
+if TYPE_CHECKING:
+    from adaptree.api import Pipeline
 
-def run_compare(args) -> dict:
-    from adaptree.cli import load_models
+
+@dataclass
+class CompareConfig:
+    """``adaptree compare-hf``: how many MT-bench first turns, tokens per run and repeats."""
+
+    prompts: int = 6
+    """Number of MT-bench first turns."""
+    max_new_tokens: int = 128
+    repeats: int = 1
+    out: str = "runs/compare-hf"
+    """Results folder (results.jsonl, summary.json)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def run_compare(cfg: CompareConfig, pipeline: Pipeline) -> dict:
+    """Autoregressive tokens/s of this engine vs transformers ``generate`` on ``pipeline``'s target."""
     from adaptree.core.engine import Engine
     from adaptree.data.prompts import mt_bench
 
-    target, tok, _ = load_models(args)
+    target = pipeline.target
     hf = hf_twin(target)
     engine = Engine(target, None, eos_token_ids=())  # no EOS stop: both arms make exactly N tokens
-    prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}]) if tok.chat_template
-               else tok.encode(p.turns[0]) for p in mt_bench()[: args.prompts]]
-    n = args.max_new_tokens
-    out = Path(args.out)
+    prompts = [pipeline.encode(p.turns[0]) for p in mt_bench()[: cfg.prompts]]
+    n = cfg.max_new_tokens
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
     def ours(ids):
@@ -51,8 +72,8 @@ def run_compare(args) -> dict:
         fn(prompts[0][:32])
     rows = []
     with (out / "results.jsonl").open("w") as f:
-        for rep in range(args.repeats):
-            for i, ids in enumerate(tqdm(prompts, desc=f"compare-hf (repeat {rep + 1}/{args.repeats})")):
+        for rep in range(cfg.repeats):
+            for i, ids in enumerate(tqdm(prompts, desc=f"compare-hf (repeat {rep + 1}/{cfg.repeats})")):
                 got = {}
                 for arm, fn in arms.items():
                     sec, toks = fn(ids)
@@ -62,8 +83,9 @@ def run_compare(args) -> dict:
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                 rows[-1]["same_ids"] = rows[-2]["same_ids"] = got["adaptree_ar"] == got["hf_generate"]
-    summary: dict = {"machine": machine_info(), "dtype": args.dtype, "model": str(args.model or "default"),
-                     "max_new_tokens": n, "prompts": len(prompts), "repeats": args.repeats, "arms": {}}
+    dtype = pipeline.settings()["dtype"]
+    summary: dict = {"machine": machine_info(), "dtype": dtype, "model": str(pipeline.model or "default"),
+                     "max_new_tokens": n, "prompts": len(prompts), "repeats": cfg.repeats, "arms": {}}
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
         summary["arms"][arm] = {
@@ -83,6 +105,6 @@ def run_compare(args) -> dict:
         print(f"{arm:<14}{s['median_tokens_per_s']:>14.1f}{s['total_seconds']:>10.2f}{s['total_tokens']:>8}")
     print(f"adaptree AR / HF generate speed: {summary['speed_ratio_total_time']:.3f}x (total time), "
           f"{summary['speed_ratio_median_per_prompt']:.3f}x (median per prompt); identical outputs "
-          f"{summary['identical_outputs']}/{len(ratios)}; dtype {args.dtype}, threads {torch.get_num_threads()}")
+          f"{summary['identical_outputs']}/{len(ratios)}; dtype {dtype}, threads {torch.get_num_threads()}")
     print(f"wrote {out / 'results.jsonl'} and {out / 'summary.json'}")
     return summary

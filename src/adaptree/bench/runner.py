@@ -13,18 +13,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from adaptree.bench.hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
+from adaptree.offline.runs import check_out_dir
+
+if TYPE_CHECKING:
+    from adaptree.api import Pipeline
 
 Arm = Callable[[list[int], int, SamplingConfig], GenerationResult]
 """A benchmarked method: ``arm(prompt_ids, max_new_tokens, sampling) -> GenerationResult``."""
+
+MethodOptions = Mapping[str, Mapping[str, Any]]
+"""Per method name, its config fields (``{"static": {"width": 4}, "deagle": {"tau_s": 0.2}}``)."""
 
 RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
@@ -106,19 +114,6 @@ class BenchConfig:
         return SamplingConfig(self.temperature, self.top_p, self.top_k, seed=self.seed + repeat)
 
 
-def check_out_dir(out: str | Path) -> Path:
-    """Create ``out`` and prove it writable before any model is loaded."""
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
-    return path
-
-
 def _digest(ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]
 
@@ -133,26 +128,10 @@ def _load_prompts(cfg: BenchConfig):
     return sets
 
 
-def _file_sha256(path: Path) -> str:
-    from adaptree.models.loading import sha256_file
-
-    return sha256_file(path)
-
-
-def _run_settings(cfg: BenchConfig, args) -> dict:
+def _run_settings(cfg: BenchConfig, pipeline: Pipeline) -> dict:
     """What must stay fixed across a resumed run, plus checksums of the weights."""
-    import torch
-
-    from adaptree.models.registry import HEADS_DIR, model_sha256
-
-    draft = getattr(args, "draft_path", None)
-    shown = draft
-    if draft and Path(draft).resolve().parent == HEADS_DIR:  # no machine paths in shareable results
-        shown = f"shipped:{Path(draft).name}"
-    return {"model": args.model or "smollm2-135m", "dtype": args.dtype, "model_sha256": model_sha256(args.model),
-            "draft": shown, "draft_sha256": _file_sha256(Path(draft) / "model.safetensors") if draft else None,
-            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-            "top_k": cfg.top_k, "seed": cfg.seed, "threads": torch.get_num_threads()}
+    return {**pipeline.settings(), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed}
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -174,39 +153,43 @@ def _check_settings(out: Path, settings: dict) -> None:
                                  f"{k}={settings.get(k)!r}; use another --out (or delete {out / RESULTS})")
 
 
-def build_arms(cfg: BenchConfig, args, target, tok, head, engine) -> dict[str, Arm]:
-    from adaptree.cli import build_controller
-
+def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptions | None = None) -> dict[str, Arm]:
+    """One arm per method of ``cfg``: the engine with the method's controller (its options from
+    ``method_options[method]``), or a Hugging Face reference."""
     arms: dict[str, Arm] = {}
     hf = None
+    engine = pipeline.engine
     for m in cfg.methods:
         if m in HF_METHODS:
             from adaptree.bench.hf_arms import HFArm, hf_twin
 
-            hf = hf or hf_twin(target)
+            hf = hf or hf_twin(pipeline.target)
             assistant = None
             if m == "hf_assisted":
-                name = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(args.model))
+                name = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(pipeline.model))
                 if name is None:
                     raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
                                      f"(registered pairs: {DEFAULT_ASSISTANTS})")
-                from adaptree.cli import DTYPES
                 from adaptree.models.registry import load_model
 
-                small, _ = load_model(name, dtype=DTYPES[args.dtype])
+                small, _ = load_model(name, dtype=pipeline.dtype)
                 assistant = hf_twin(small)
-            arms[m] = HFArm(hf, m, tok.eos_token_ids, assistant=assistant)
+            arms[m] = HFArm(hf, m, pipeline.tokenizer.eos_token_ids, assistant=assistant)
         else:
-            args.method = m
-            ctl = build_controller(args, head, tok)
+            ctl = pipeline.controller(m, **(method_options or {}).get(m, {}))
             arms[m] = (lambda c: lambda ids, n, s: engine.generate(ids, c, max_new_tokens=n, sampling=s))(ctl)
     return arms
 
 
-def run_bench(cfg: BenchConfig, args) -> dict:
+def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptions | None = None,
+              command: str | None = None) -> dict:
+    """Benchmark ``cfg.methods`` with ``pipeline`` (see the module's docstring); returns the summary.
+
+    :param method_options: per method, its config fields (e.g. ``{"static": {"width": 4}}``).
+    :param command: the command line, recorded with the results.
+    """
     from adaptree.bench.report import print_table, write_report
-    from adaptree.cli import load_models
-    from adaptree.core.engine import Engine
+    from adaptree.core.machine import machine_info
 
     out = check_out_dir(cfg.out)
     sets = _load_prompts(cfg)  # bad dataset files fail before the models load
@@ -214,49 +197,38 @@ def run_bench(cfg: BenchConfig, args) -> dict:
         from adaptree.offline.latency import load_checked
 
         load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
-    target, tok, head = load_models(args)
-    if any(m not in HF_METHODS and m != "ar" for m in cfg.methods) and head is None:
+    if any(m not in HF_METHODS and m != "ar" for m in cfg.methods) and pipeline.head is None:
         raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
-    settings = _run_settings(cfg, args)
+    settings = _run_settings(cfg, pipeline)
     _check_settings(out, settings)
-    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
-    arms = build_arms(cfg, args, target, tok, head, engine)
-    from adaptree.core.machine import machine_info
-
+    arms = build_arms(cfg, pipeline, method_options)
     machine = machine_info()
     (out / CONFIG).write_text(json.dumps({"config": asdict(cfg), "settings": settings, "machine": machine,
-                                          "command": getattr(args, "command_line", None)}, indent=2))
-
-    def encode(messages):
-        if tok.chat_template:
-            return tok.apply_chat(messages)
-        return tok.encode("\n\n".join(m["content"] for m in messages))
-
-    rows = bench_loop(cfg, arms, encode, tok.decode, sets, max_len=engine.max_len)
+                                          "command": command}, indent=2))
+    rows = bench_loop(cfg, arms, pipeline.encode, pipeline.tokenizer.decode, sets, max_len=pipeline.engine.max_len)
     if cfg.oracle_latency:
-        run_oracle(cfg, args, out, target, tok, head, sets, encode, engine.max_len)
-    summary = finish(cfg, rows, out, settings, getattr(args, "command_line", None), machine)
+        run_oracle(cfg, pipeline, out, sets, method_options)
+    summary = finish(cfg, rows, out, settings, command, machine)
     print_table(summary)
     write_report(summary, out)
     print(f"wrote {out / RESULTS}, {out / SUMMARY} and {out / 'report.md'} (+ plots)")
     return summary
 
 
-def run_oracle(cfg: BenchConfig, args, out: Path, target, tok, head, sets, encode, max_len: int) -> dict:
-    """Traces of the bench's first turns (resumable) and the modelled oracle section (``oracle_modelled.json``)."""
-    import argparse
-
+def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
+               method_options: MethodOptions | None = None) -> dict:
+    """Traces of the bench's first turns (resumable) and the modelled oracle section (``oracle_modelled.json``).
+    The traces' tree width is the static tree's (10 unless its options say otherwise); their depth at least 12."""
     from adaptree.bench import oracle_section as osec
-    from adaptree.cli import build_controller
 
+    options = method_options or {}
     engine_methods = [m for m in cfg.methods if m not in HF_METHODS]
-    max_depth = max(12, getattr(args, "depth", None) or 0)
-    settings = osec.trace_settings(cfg, tok.eos_token_ids, getattr(args, "max_seq_len", None),
-                                   widths=(getattr(args, "width", None) or 10,), max_depth=max_depth)
-    prompts = osec.first_turn_prompts(sets, encode, max_len)
-    store = osec.record_traces(out, target, head, settings, prompts)
-    factories = {m: (lambda ns=argparse.Namespace(**{**vars(args), "method": m}): build_controller(ns, head, tok))
-                 for m in engine_methods}
+    static = options.get("static", {})
+    settings = osec.trace_settings(cfg, pipeline.tokenizer.eos_token_ids, pipeline.max_seq_len,
+                                   widths=(static.get("width") or 10,), max_depth=max(12, static.get("depth") or 0))
+    prompts = osec.first_turn_prompts(sets, pipeline.encode, pipeline.engine.max_len)
+    store = osec.record_traces(out, pipeline.target, pipeline.head, settings, prompts)
+    factories = {m: (lambda m=m: pipeline.controller(m, **options.get(m, {}))) for m in engine_methods}
     return osec.modelled(out, store, prompts, cfg.oracle_latency, factories, progress=True)
 
 

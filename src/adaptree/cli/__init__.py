@@ -7,9 +7,8 @@ import json
 import logging
 import sys
 
-import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from adaptree.api import DTYPES
 
 
 def _positive_int(text: str) -> int:
@@ -108,32 +107,28 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                         "the policy's recorded inference temperature)")
 
 
+def load_pipeline(args):
+    """The :class:`~adaptree.api.Pipeline` of the common model flags (``args.draft_path`` is set to the head
+    folder in use, for the method flags)."""
+    from adaptree.api import load
+
+    p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, threads=args.threads,
+             max_seq_len=args.max_seq_len)
+    args.draft_path = str(p.head_folder) if p.head_folder else None
+    return p
+
+
 def load_models(args):
     """Target, tokenizer bundle and (optional) head from the common model flags."""
-    from adaptree.models.eagle3 import Eagle3Head
-    from adaptree.models.registry import load_model, shipped_head
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    target, tok = load_model(args.model, dtype=dtype, max_seq_len=args.max_seq_len)
-    draft = getattr(args, "draft", "none")
-    if draft == "auto":
-        draft = shipped_head(args.model)
-    elif draft == "none":
-        draft = None
-    head = Eagle3Head.from_pretrained(draft, target=target, dtype=dtype).eval() if draft else None
-    args.draft_path = str(draft) if draft else None
-    return target, tok, head
+    p = load_pipeline(args)
+    return p.target, p.tokenizer, p.head
 
 
-def build_controller(args, head, tokenizer=None):
-    from adaptree.methods import make_controller
-
-    method = args.method or ("static" if head is not None else "ar")
+def method_options(args, method: str) -> dict:
+    """The config fields of ``method`` given on the command line (flags not given keep the method's defaults:
+    depth is 8 for static, 12 for deagle, ...)."""
     if method == "ar":
-        return make_controller("ar")
-    # Flags only when given / present, so each method keeps its own defaults (depth: static 8, deagle 12, ...).
+        return {}
     flags = {} if method in ("static-gs", "resps") else {"width": "width", "depth": "depth", "size": "size"}
     flags.update({
         "static-gs": {"tuned": "tuned"},
@@ -150,25 +145,20 @@ def build_controller(args, head, tokenizer=None):
                   "temperature": "resps_temperature"},
     }.get(method, {}))
     opts = {field: getattr(args, attr) for field, attr in flags.items() if getattr(args, attr, None) is not None}
-    # learned methods: the policies shipped next to the head in use, else next to the default model's head
-    from functools import partial
-
-    from adaptree.methods.ltd.controller import shipped_policy as ltd_shipped
-    from adaptree.methods.radar.controller import default_policy_path as radar_shipped
-    from adaptree.methods.resps.controller import shipped_policy as resps_shipped
-
-    ltd_policies = {f"{kind}_policy": partial(ltd_shipped, kind) for kind in ("depth", "size")}
-    lookups = {"radar": {"policy": radar_shipped}, "resps": {"policy": resps_shipped},
-               "ltd": ltd_policies, "ltd-depth": ltd_policies, "ltd-size": ltd_policies}
-    draft = getattr(args, "draft_path", None)
-    for field, find in lookups.get(method, {}).items():
-        if field in flags and field not in opts:  # ltd-depth has no size policy, ltd-size no depth policy
-            found = find(draft) or find()
-            opts[field] = str(found) if found else None
     if method == "deagle" and "votes" in opts:
         opts["votes"] = tuple(v.strip() for v in str(opts["votes"]).split(",") if v.strip())
         opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
-    return make_controller(method, tokenizer=tokenizer, **opts)
+    return opts
+
+
+def build_controller(args, head, tokenizer=None):
+    """The controller of ``args.method`` (default: static with a draft head, else ar) with its flags; learned
+    methods' policies and static-gs's tree come from next to the head in use (``args.draft_path``)."""
+    from adaptree.methods import make_controller
+
+    method = args.method or ("static" if head is not None else "ar")
+    return make_controller(method, head_folder=getattr(args, "draft_path", None), model=args.model,
+                           tokenizer=tokenizer, **method_options(args, method))
 
 
 def encode_prompt(tok, text: str, chat: bool | None) -> list[int]:
@@ -181,41 +171,29 @@ def encode_prompt(tok, text: str, chat: bool | None) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    from adaptree.core.engine import Engine
     from adaptree.core.verify import SamplingConfig
 
     sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, args.seed)
-    target, tok, head = load_models(args)
-    controller = build_controller(args, head, tok)
-    ids = encode_prompt(tok, args.prompt, args.chat)
-    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
-
-    printed = ""
-    out_ids: list[int] = []
-
-    def stream(new: list[int]) -> None:
-        nonlocal printed
-        out_ids.extend(new)
-        text = tok.decode(out_ids)
-        if text.startswith(printed):  # a partial multi-byte character may decode differently later
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-
-    res = engine.generate(ids, controller, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          on_tokens=None if args.json else stream)
-    text = tok.decode(res.token_ids)
+    pipe = load_pipeline(args)
+    controller = build_controller(args, pipe.head, pipe.tokenizer)
+    prompt = encode_prompt(pipe.tokenizer, args.prompt, args.chat)
     if args.json:
-        split = res.time_split()
+        gen = pipe.generate(prompt, controller=controller, max_new_tokens=args.max_new_tokens, sampling=sampling)
+    else:
+        stream = pipe.stream(prompt, controller=controller, max_new_tokens=args.max_new_tokens, sampling=sampling)
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        gen = stream.generation
+    res = gen.result
+    if args.json:
         print(json.dumps({
-            "text": text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_len,
+            "text": gen.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_len,
             "new_tokens": res.new_tokens, "cycles": len(res.cycles), "tau": res.tau,
             "wall_time_s": res.wall_time_s, "prefill_s": res.prefill_s, "tokens_per_s": res.tokens_per_s,
-            "stop_reason": res.stop_reason, "method": res.method, **split,
+            "stop_reason": res.stop_reason, "method": res.method, **res.time_split(),
         }))
     else:
-        if text.startswith(printed):
-            sys.stdout.write(text[len(printed):])
         sys.stdout.write("\n")
         print(f"[{res.method}] {res.new_tokens} tokens in {res.wall_time_s:.2f} s "
               f"({res.tokens_per_s:.1f} tok/s), {len(res.cycles)} cycles, tau {res.tau:.2f}, "
@@ -233,8 +211,9 @@ def cmd_bench(args) -> int:
                       repeats=args.repeats, reference=args.reference or None,
                       assistant_model=args.assistant_model, warmup=args.warmup, out=args.out,
                       oracle_latency=args.oracle_latency)
-    args.command_line = "adaptree " + " ".join(sys.argv[1:])
-    run_bench(cfg, args)
+    pipe = load_pipeline(args)
+    options = {m: method_options(args, m) for m in cfg.methods}
+    run_bench(cfg, pipe, options, command="adaptree " + " ".join(sys.argv[1:]))
     return 0
 
 
@@ -252,8 +231,7 @@ def cmd_tune_static(args) -> int:
     cfg = TuneConfig(depths=ints(args.depths), sizes=ints(args.sizes), widths=ints(args.widths), prompts=args.prompts,
                      first_round_prompts=args.first_round_prompts, eta=args.eta,
                      max_new_tokens=args.max_new_tokens, seed=args.seed, out=args.out)
-    args.command_line = "adaptree " + " ".join(sys.argv[1:])
-    run_tune(cfg, args)
+    run_tune(cfg, load_pipeline(args), command="adaptree " + " ".join(sys.argv[1:]))
     return 0
 
 
@@ -279,9 +257,11 @@ def add_tune_parser(sub) -> None:
 
 
 def cmd_compare_hf(args) -> int:
-    from adaptree.bench.hf_compare import run_compare
+    from adaptree.bench.hf_compare import CompareConfig, run_compare
 
-    run_compare(args)
+    args.draft = "none"
+    cfg = CompareConfig(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats, out=args.out)
+    run_compare(cfg, load_pipeline(args))
     return 0
 
 

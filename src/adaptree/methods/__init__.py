@@ -1,19 +1,29 @@
-"""Controllers: one small module per method, all plugged into the one engine loop."""
+"""Methods: one folder per method, all plugged into the one engine loop through the controller seam.
 
-from adaptree.core.controller import (
-    AutoregressiveController,
-    Controller,
-    CycleContext,
-    StaticConfig,
-    StaticController,
-    TreePlan,
-)
-from adaptree.methods.ltd.controller import (
-    LTDConfig,
-    LTDController,
-    LTDDepthConfig,
-    LTDSizeConfig,
-)
+- :mod:`.static`: ``static-gs`` (the static tree a measured grid search chose) and that grid search; the
+  static EAGLE-3 tree and the autoregressive baseline themselves are the seam's defaults
+  (:mod:`adaptree.core.controller`)
+- :mod:`.rules`: the training-free rules DEAGLE, DDD, SVIP and Gammatune
+- :mod:`.ltd`: LTD (controller and observation, environments, PPO trainer)
+- :mod:`.radar`: RADAR (controller, LSTM policy, acceptance-distribution dataset, REINFORCE trainer)
+- :mod:`.resps`: Re-SpS (controller and state, environment, PPO trainer)
+
+The registry below maps a method name to its typed config, its controller and the files it needs
+(:class:`Asset`): a learned policy or a tuned tree is looked up next to the draft head in use, never
+next to another model's head; a missing one is an error naming the model, the file and the command
+that makes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from adaptree.core.controller import (AutoregressiveController, Controller, CycleContext, StaticConfig,
+                                      StaticController, TreePlan)
+from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
 from adaptree.methods.radar.controller import RadarConfig, RadarController
 from adaptree.methods.resps.controller import ReSpSConfig, ReSpSController
 from adaptree.methods.rules.ddd import DDDConfig, DDDController
@@ -26,46 +36,162 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
-           "ReSpSConfig", "ReSpSController", "make_controller", "METHODS", "LEARNED",
-           "CONFIGS"]
+           "ReSpSConfig", "ReSpSController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "MissingAssetError", "make_controller", "resolve_assets"]
 
-METHODS = ("ar", "static", "static-gs", "deagle", "ddd", "svip", "gammatune", "radar", "ltd", "ltd-depth", "ltd-size",
-           "resps")
 
-LEARNED = ("radar", "ltd", "ltd-depth", "ltd-size", "resps")
-"""Methods that run a trained policy (shipped next to the model's head, or given as a folder)."""
+class MissingAssetError(FileNotFoundError, ValueError):
+    """A method's policy or tuned tree is not there for the model in use (a missing file and a bad choice of
+    method for this model, so both kinds of error)."""
 
-CONFIGS = {
-    "static": (StaticConfig, StaticController),
-    "static-gs": (StaticGSConfig, StaticGSController),
-    "deagle": (DeagleConfig, DeagleController),
-    "ddd": (DDDConfig, DDDController),
-    "svip": (SVIPConfig, SVIPController),
-    "gammatune": (GammatuneConfig, GammatuneController),
-    "radar": (RadarConfig, RadarController),
-    "ltd": (LTDConfig, LTDController),
-    "ltd-depth": (LTDDepthConfig, LTDController),
-    "ltd-size": (LTDSizeConfig, LTDController),
-    "resps": (ReSpSConfig, ReSpSController),
-}
+
+@dataclass(frozen=True)
+class Asset:
+    """A file a method needs, found next to the draft head in use (``<head folder>/<path>``)."""
+
+    option: str
+    """The config field the path goes to."""
+    path: str
+    """Where it lives inside the head folder: a policy folder (with ``config.json``) or a file."""
+    what: str
+    """What it is, for error messages."""
+    flag: str
+    """The command-line flag that gives it explicitly."""
+    command: str
+    """The command that produces it (``MODEL`` and ``HEAD`` stand for the model and head in use)."""
+
+    def find(self, head_folder: Path) -> Path | None:
+        p = head_folder / self.path
+        marker = p / "config.json" if not p.suffix else p
+        return p if marker.is_file() else None
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registry entry: how to build a method's controller."""
+
+    name: str
+    config: type | None
+    """The typed config (a dataclass: field defaults are the paper's; docstrings are the help texts)."""
+    controller: Callable[..., Controller]
+    assets: tuple[Asset, ...] = ()
+    needs_tokenizer: bool = False
+    """The controller reads the context as text (Re-SpS on the embedding state)."""
+
+    @property
+    def learned(self) -> bool:
+        return any(a.option != "tuned" for a in self.assets)
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """A ValueError naming the method and its fields when ``options`` has a name that is not one of them."""
+        if self.config is None:
+            if options:
+                raise ValueError(f"method {self.name!r} takes no options, got {sorted(options)}")
+            return
+        names = [f.name for f in fields(self.config)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"bad options for method {self.name!r}: unknown {', '.join(map(repr, unknown))}; its "
+                             f"fields: {', '.join(names)}")
+
+    def build(self, options: dict[str, Any], tokenizer=None) -> Controller:
+        self.check_options(options)
+        if self.config is None:
+            return self.controller()
+        config = self.config(**options)
+        return self.controller(config, tokenizer=tokenizer) if self.needs_tokenizer else self.controller(config)
+
+
+_TRAIN_LTD = ("adaptree train ltd --model MODEL --draft HEAD --latency LATENCY.json --out RUN, then copy "
+              "RUN/policy/{kind} to HEAD/ltd/{kind}")
+
+
+def _ltd_asset(kind: str) -> Asset:
+    return Asset(f"{kind}_policy", f"ltd/{kind}", f"LTD {kind} policy", f"--ltd-{kind}-policy",
+                 _TRAIN_LTD.format(kind=kind))
+
+
+_LTD_ASSETS = {"ltd": (_ltd_asset("depth"), _ltd_asset("size")), "ltd-depth": (_ltd_asset("depth"),),
+               "ltd-size": (_ltd_asset("size"),)}
+_RADAR_ASSET = Asset("policy", "radar", "RADAR policy", "--radar-policy",
+                     "adaptree radar dataset --model MODEL --draft HEAD --out DATA, then adaptree radar train --data "
+                     "DATA --out RUN, then copy RUN/policy to HEAD/radar")
+_RESPS_ASSET = Asset("policy", "resps", "Re-SpS policy", "--resps-policy",
+                     "adaptree train resps --model MODEL --draft HEAD --out RUN, then copy RUN/policy to HEAD/resps")
+_TUNED_ASSET = Asset("tuned", "static_gs.json", "tuned static tree", "--tuned",
+                     "adaptree tune-static --model MODEL --draft HEAD --out RUN, then copy RUN/static_gs.json to HEAD/")
+
+REGISTRY: dict[str, Method] = {m.name: m for m in (
+    Method("ar", None, AutoregressiveController),
+    Method("static", StaticConfig, StaticController),
+    Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,)),
+    Method("deagle", DeagleConfig, DeagleController),
+    Method("ddd", DDDConfig, DDDController),
+    Method("svip", SVIPConfig, SVIPController),
+    Method("gammatune", GammatuneConfig, GammatuneController),
+    Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,)),
+    Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"]),
+    Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"]),
+    Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"]),
+    Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True),
+)}
+"""Method name -> registry entry, in the order the docs list them."""
+
+METHODS = tuple(REGISTRY)
+
+LEARNED = tuple(name for name, m in REGISTRY.items() if m.learned)
+"""Methods that run a trained policy (found next to the model's head, or given as a folder)."""
+
+CONFIGS = {name: (m.config, m.controller) for name, m in REGISTRY.items() if m.config is not None}
 """Method name -> (config dataclass, controller class) for every configurable method."""
 
 
-def make_controller(method: str, tokenizer=None, **options) -> Controller:
-    """Build a controller by method name; ``options`` are the method's config fields. ``tokenizer``: the
-    target's, for controllers that read the context as text (Re-SpS on the embedding state)."""
-    if method == "ar":
-        if options:
-            raise ValueError(f"method 'ar' takes no options, got {sorted(options)}")
-        return AutoregressiveController()
-    if method in CONFIGS:
-        config_cls, controller_cls = CONFIGS[method]
-        try:
-            config = config_cls(**options)
-        except TypeError as exc:  # an unknown field: name the method and its fields
-            from dataclasses import fields
+def method(name: str) -> Method:
+    """The registry entry of ``name``; a ValueError lists the methods when there is none."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(METHODS)}") from None
 
-            names = ", ".join(f.name for f in fields(config_cls))
-            raise ValueError(f"bad options for method {method!r}: {exc}; its fields: {names}") from None
-        return controller_cls(config, tokenizer=tokenizer) if method == "resps" else controller_cls(config)
-    raise ValueError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+
+def resolve_assets(name: str, options: dict[str, Any], head_folder: str | Path | None,
+                   model: str | None = None) -> dict[str, Any]:
+    """``options`` with every file the method needs and was not given filled in from ``head_folder``.
+
+    :raises MissingAssetError: a needed file is not next to the head in use (or there is no head folder);
+        the message names the model, the missing file and the command that produces it.
+    """
+    out = dict(options)
+    for asset in method(name).assets:
+        if out.get(asset.option):
+            continue
+        label = model or "this model"
+        if head_folder is None:
+            raise MissingAssetError(f"method {name!r} needs a {asset.what} and no draft head folder is in use to "
+                                    f"find it next to: pass {asset.flag} PATH")
+        head = Path(head_folder)
+        found = asset.find(head)
+        if found is None:
+            missing = head / asset.path / ("config.json" if not Path(asset.path).suffix else "")
+            command = asset.command.replace("MODEL", model or "MODEL").replace("HEAD", str(head))
+            raise MissingAssetError(f"method {name!r} needs a {asset.what} for {label}, and {missing} does not exist."
+                                    f" Make it with: {command} (or pass {asset.flag} PATH)")
+        out[asset.option] = str(found)
+    return out
+
+
+def make_controller(name: str, *, head_folder: str | Path | None = None, model: str | None = None,
+                    tokenizer=None, **options) -> Controller:
+    """Build a controller by method name; ``options`` are the method's config fields.
+
+    :param head_folder: the draft head in use; a learned method's policies and ``static-gs``'s tuned tree are
+        looked up next to it when not given in ``options`` (:func:`resolve_assets`).
+    :param model: the model's name, for error messages.
+    :param tokenizer: the target's, for controllers that read the context as text (Re-SpS on the embedding
+        state).
+    """
+    entry = method(name)
+    entry.check_options(options)
+    if entry.assets:
+        options = resolve_assets(name, options, head_folder, model)
+    return entry.build(options, tokenizer=tokenizer)

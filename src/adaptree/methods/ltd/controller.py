@@ -35,7 +35,6 @@ from adaptree.core.tree import DraftStep, DraftTree
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
 """The size policy's 12 actions: V = 20, 40, ..., 240 (paper A.2.1)."""
-SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "ltd"
 MODES = ("both", "depth", "size")
 
 
@@ -125,20 +124,14 @@ class LTDObservation:
         return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
 
 
-def shipped_policy(kind: str, head_folder: str | Path | None = None) -> Path | None:
-    """``<head folder>/ltd/<kind>`` (kind: depth or size) when it holds a policy, else None."""
-    folder = (Path(head_folder) / "ltd" if head_folder else SHIPPED) / kind
-    return folder if (folder / "config.json").is_file() else None
-
-
 @dataclass
 class LTDConfig:
     """LTD's inference settings. Which policies run is the method: ``ltd``, ``ltd-depth``, ``ltd-size``."""
 
     depth_policy: str | None = None
-    """Depth policy folder; None = the one shipped next to the head."""
+    """Depth policy folder (``ltd/depth`` next to the head in use when built through the method registry)."""
     size_policy: str | None = None
-    """Size policy folder; None = the one shipped next to the head."""
+    """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     width: int = 10
     """Beam width W; must equal the policies' W."""
     depth: int | None = None
@@ -172,11 +165,10 @@ class LTDSizeConfig(LTDConfig):
 def _load(kind: str, path: str | None):
     from adaptree.offline.policy import MLPPolicy
 
-    found = Path(path) if path else shipped_policy(kind)
-    if found is None:
-        raise ValueError(f"no LTD {kind} policy is shipped for this model: pass --ltd-{kind}-policy PATH (train "
-                         f"one with `adaptree train ltd`, see docs/ltd.md)")
-    return MLPPolicy.load(found, kind=f"ltd-{kind}")
+    if not path:
+        raise ValueError(f"no LTD {kind} policy given: pass --ltd-{kind}-policy PATH (train one with "
+                         f"`adaptree train ltd`, see docs/ltd.md)")
+    return MLPPolicy.load(Path(path), kind=f"ltd-{kind}")
 
 
 class LTDController(Controller):

@@ -15,28 +15,19 @@ given by ``policy``; None = the policy shipped next to the default model's head
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
 from adaptree.core.tree import DraftStep
 
-SHIPPED_POLICY = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "radar"
-
-
-def default_policy_path(head_folder: str | Path | None = None) -> Path | None:
-    """``<head folder>/radar`` when it holds a policy (default head folder: SmolLM2-135M's), else None."""
-    folder = Path(head_folder) / "radar" if head_folder else SHIPPED_POLICY
-    return folder if (folder / "config.json").is_file() else None
-
-
 @dataclass
 class RadarConfig:
     """RADAR's inference settings (tree shape from EAGLE-3, paper §3.1)."""
 
     policy: str | None = None
-    """Policy folder (config.json + model.safetensors); None = the one shipped with the default head."""
+    """Policy folder (config.json + model.safetensors; ``radar/`` next to the head in use when built through the
+    method registry)."""
     width: int = 10
     """Beam width W; must equal the policy's input width."""
     depth: int | None = None
@@ -69,11 +60,10 @@ class RadarController(Controller):
 
         self.config = cfg = config or RadarConfig()
         if policy is None:
-            path = cfg.policy or default_policy_path()
-            if path is None:
-                raise ValueError("no RADAR policy is shipped for this model: pass --radar-policy PATH (train one "
-                                 "with `adaptree radar dataset` then `adaptree radar train`, see docs/radar.md)")
-            policy = RadarPolicy.load(path)
+            if not cfg.policy:
+                raise ValueError("no RADAR policy given: pass --radar-policy PATH (train one with "
+                                 "`adaptree radar dataset` then `adaptree radar train`, see docs/radar.md)")
+            policy = RadarPolicy.load(cfg.policy)
         self.policy = policy.eval()
         pc = policy.config
         if pc.width != cfg.width:

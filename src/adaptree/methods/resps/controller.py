@@ -60,7 +60,6 @@ STATES = ("concat", "mean", "embedding")
 NORMALIZE = ("rms", "none")
 INTERVAL_INFERENCE = 30
 """The paper's cache interval N at inference (training uses 10)."""
-SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m" / "resps"
 
 
 # --------------------------------------------------------------------------------------------- actions
@@ -212,19 +211,13 @@ class ReSpSState:
 # --------------------------------------------------------------------------------------------- controller
 
 
-def shipped_policy(head_folder: str | Path | None = None) -> Path | None:
-    """``<head folder>/resps`` when it holds a policy (default: SmolLM2-135M's head folder), else None."""
-    folder = Path(head_folder) / "resps" if head_folder else SHIPPED
-    return folder if (folder / "config.json").is_file() else None
-
-
 @dataclass
 class ReSpSConfig:
     """Re-SpS's inference settings."""
 
     policy: str | None = None
-    """Policy folder (config.json + model.safetensors of `adaptree train resps`); None = the one shipped next
-    to the default model's head."""
+    """Policy folder (config.json + model.safetensors of `adaptree train resps`; ``resps/`` next to the head in
+    use when built through the method registry)."""
     interval: int = INTERVAL_INFERENCE
     """Cache interval N: the policy decides at a generation's first cycle, then every N cycles (paper: 30)."""
     state: str | None = None
@@ -246,14 +239,13 @@ class ReSpSConfig:
 
 
 def load_policy(path: str | Path | None):
-    """The Re-SpS :class:`~adaptree.rl.policy.MLPPolicy` at ``path`` (None: the shipped one), strictly."""
+    """The Re-SpS :class:`~adaptree.offline.policy.MLPPolicy` at ``path``, strictly."""
     from adaptree.offline.policy import MLPPolicy
 
-    found = Path(path) if path else shipped_policy()
-    if found is None:
-        raise ValueError("no Re-SpS policy is shipped for this model: pass --resps-policy PATH (train one with "
-                         "`adaptree train resps`, see docs/resps.md)")
-    return MLPPolicy.load(found, kind="resps")
+    if not path:
+        raise ValueError("no Re-SpS policy given: pass --resps-policy PATH (train one with `adaptree train resps`, "
+                         "see docs/resps.md)")
+    return MLPPolicy.load(Path(path), kind="resps")
 
 
 class ReSpSController(Controller):
@@ -290,7 +282,7 @@ class ReSpSController(Controller):
         else:
             from adaptree.offline.policy import training_facts
 
-            facts = training_facts(cfg.policy or shipped_policy()) if policy is None else {}
+            facts = training_facts(cfg.policy) if policy is None else {}
             self.temperature = float(facts.get("inference_temperature", 0.0) or 0.0)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()

@@ -19,7 +19,8 @@ class StaticGSConfig:
     """Where the tuned tree comes from."""
 
     tuned: str | None = None
-    """A ``static_gs.json`` from ``adaptree tune-static``; None = the one shipped with the default model's head."""
+    """A ``static_gs.json`` from ``adaptree tune-static`` (the one next to the head in use when built through the
+    method registry)."""
 
     def __post_init__(self) -> None:
         if self.tuned is not None and not Path(self.tuned).is_file():
@@ -27,16 +28,10 @@ class StaticGSConfig:
                                     "and pass its static_gs.json")
 
     def resolve(self) -> Path:
-        if self.tuned is not None:
-            return Path(self.tuned)
-        from adaptree.models.registry import shipped_head
-
-        head = shipped_head()
-        path = head / "static_gs.json" if head is not None else None
-        if path is None or not path.is_file():
-            raise FileNotFoundError("no tuned static config is shipped for this model: run `adaptree tune-static` "
-                                    "and pass --tuned PATH/static_gs.json")
-        return path
+        if self.tuned is None:
+            raise FileNotFoundError("no tuned static config given: run `adaptree tune-static` and pass "
+                                    "--tuned PATH/static_gs.json")
+        return Path(self.tuned)
 
     def load(self) -> tuple[StaticConfig, dict]:
         path = self.resolve()

@@ -19,8 +19,14 @@ import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+from adaptree.core.controller import StaticConfig, StaticController
+
+if TYPE_CHECKING:
+    from adaptree.api import Pipeline
 
 TUNED_FILE = "static_gs.json"
 
@@ -148,24 +154,17 @@ def successive_halving(cfg: TuneConfig, generate, prompt_ids: list[tuple[str, li
             "speedup_vs_ar": rounds[-1]["configs"][0]["speedup"], "rounds": rounds}
 
 
-def run_tune(cfg: TuneConfig, args) -> dict:
-    from adaptree.bench.runner import check_out_dir
-    from adaptree.cli import load_models
-    from adaptree.core.engine import Engine
+def run_tune(cfg: TuneConfig, pipeline: Pipeline, command: str | None = None) -> dict:
+    """Search the static tree for ``pipeline``'s model and head on this machine; writes ``static_gs.json``."""
     from adaptree.core.machine import machine_info
-    from adaptree.methods import StaticConfig, StaticController
+    from adaptree.offline.runs import check_out_dir
 
     out = check_out_dir(cfg.out)
     prompts = tuning_prompts(cfg.prompts)
-    target, tok, head = load_models(args)
-    if head is None:
+    if pipeline.head is None:
         raise ValueError("tune-static needs a draft head: pass --draft PATH (or use a model that ships one)")
-    engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
-
-    def encode(text):
-        return tok.apply_chat([{"role": "user", "content": text}]) if tok.chat_template else tok.encode(text)
-
-    ids = [(p.id, encode(p.turns[0])[: engine.max_len // 2]) for p in prompts]
+    engine = pipeline.engine
+    ids = [(p.id, pipeline.encode(p.turns[0])[: engine.max_len // 2]) for p in prompts]
 
     def generate(conf, x):
         ctl = StaticController(StaticConfig(*conf)) if conf else None
@@ -173,7 +172,7 @@ def run_tune(cfg: TuneConfig, args) -> dict:
 
     generate((10, 4, 20), ids[0][1][:16])  # warm-up
     generate(None, ids[0][1][:16])
-    settings = _settings(args)
+    settings = {k: v for k, v in pipeline.settings().items() if k != "draft"}
     meta_path = out / "tune_config.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -182,7 +181,7 @@ def run_tune(cfg: TuneConfig, args) -> dict:
     meta_path.write_text(json.dumps({"config": asdict(cfg), "settings": settings}, indent=2))
     choice = successive_halving(cfg, generate, ids, out / "tune.jsonl")
     choice.update(settings=settings, machine=machine_info(), tuning_prompts=[p.id for p in prompts],
-                  command=getattr(args, "command_line", None))
+                  command=command)
     path = out / TUNED_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(choice, indent=2))
@@ -192,16 +191,3 @@ def run_tune(cfg: TuneConfig, args) -> dict:
           f"{choice['rounds'][-1]['prompts']} tuning prompts")
     print(f"wrote {path} (use it with --method static-gs --tuned {path})")
     return choice
-
-
-def _settings(args) -> dict:
-    """What the measurements depend on: a search is only resumed, and a choice only used, under these."""
-    import torch
-
-    from adaptree.models.loading import sha256_file
-    from adaptree.models.registry import model_sha256
-
-    draft = getattr(args, "draft_path", None)
-    return {"model": args.model or "smollm2-135m", "dtype": args.dtype, "model_sha256": model_sha256(args.model),
-            "draft_sha256": sha256_file(Path(draft) / "model.safetensors") if draft else None,
-            "threads": torch.get_num_threads()}

@@ -1,0 +1,301 @@
+"""The public API: load a model with its draft head once, then generate with any method.
+
+    import adaptree
+    p = adaptree.load()                                   # SmolLM2-135M-Instruct + the head adaptree ships
+    out = p.generate("Name three primes.", method="ltd", max_new_tokens=32)
+    print(out.text, out.tau, out.tokens_per_s)
+    for piece in p.stream([{"role": "user", "content": "Hi!"}], method="static", max_new_tokens=32):
+        print(piece, end="")
+
+The command line, the benchmark and the trainers' commands all load models and build controllers here.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adaptree.core.controller import Controller
+from adaptree.core.engine import Engine
+from adaptree.core.records import CycleRecord, GenerationResult
+from adaptree.core.verify import SamplingConfig
+from adaptree.methods import make_controller
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names :func:`load` takes."""
+
+Messages = Sequence[dict[str, str]]
+"""A conversation: ``[{"role": "user", "content": "..."}, ...]``."""
+
+
+def dtype_of(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` (or a torch dtype) -> the torch dtype; a ValueError names a bad one."""
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"dtype {name} is not supported; use one of {', '.join(DTYPES)}")
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
+
+
+@dataclass
+class Generation:
+    """What :meth:`Pipeline.generate` returns: the text, the ids and the engine's cycle records."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    result: GenerationResult = field(repr=False)
+    """The engine's record: per-cycle :class:`~adaptree.core.records.CycleRecord` objects, timings, stop reason."""
+
+    @property
+    def cycles(self) -> list[CycleRecord]:
+        return self.result.cycles
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: mean over cycles of (accepted draft tokens + 1)."""
+        return self.result.tau
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.tokens_per_s
+
+    @property
+    def method(self) -> str:
+        return self.result.method
+
+    @property
+    def stop_reason(self) -> str:
+        return self.result.stop_reason
+
+
+class _Cancelled(Exception):
+    """Raised from the streaming callback to end a generation whose consumer went away."""
+
+
+class Stream:
+    """An iterator over the text of a generation as it is produced (one piece per cycle, whole characters
+    only); :attr:`generation` holds the :class:`Generation` once the iteration has finished. Closing it early
+    (``close()``, or leaving a ``for`` loop) stops the generation at its next cycle."""
+
+    def __init__(self, pipeline: Pipeline, ids: list[int], controller: Controller, max_new_tokens: int,
+                 sampling: SamplingConfig) -> None:
+        self.generation: Generation | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self._done = False
+        tok = pipeline.tokenizer
+
+        def run() -> None:
+            out: list[int] = []
+            printed = ""
+
+            def on_tokens(new: list[int]) -> None:
+                nonlocal printed
+                if self._cancel.is_set():
+                    raise _Cancelled
+                out.extend(new)
+                text = tok.decode(out)
+                if text.startswith(printed) and len(text) > len(printed):  # a partial character may change later
+                    self._q.put(("text", text[len(printed):]))
+                    printed = text
+
+            try:
+                res = pipeline.engine.generate(ids, controller, max_new_tokens=max_new_tokens, sampling=sampling,
+                                               on_tokens=on_tokens)
+                text = tok.decode(res.token_ids)
+                if text.startswith(printed) and len(text) > len(printed):
+                    self._q.put(("text", text[len(printed):]))
+                self._q.put(("done", Generation(text, res.token_ids, ids, res)))
+            except _Cancelled:
+                self._q.put(("cancelled", None))
+            except BaseException as exc:  # handed to the consumer's thread
+                self._q.put(("error", exc))
+
+        self._thread = threading.Thread(target=run, name="adaptree-stream", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self._done:
+            raise StopIteration
+        kind, value = self._q.get()
+        if kind == "text":
+            return value
+        self._done = True
+        self._thread.join()
+        if kind == "done":
+            self.generation = value
+        elif kind == "error":
+            raise value
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the generation at its next cycle and wait for the engine to be free again."""
+        if not self._done:
+            self._cancel.set()
+            self._thread.join()
+            self._done = True
+
+    def __del__(self) -> None:
+        self._cancel.set()
+
+
+class Pipeline:
+    """A target model, its tokenizer and (optionally) an EAGLE-3 draft head, with one engine.
+
+    Build it with :func:`load`. One generation runs at a time (the engine is batch 1 and owns its KV
+    caches); :meth:`generate` and :meth:`stream` take a prompt string (rendered with the model's chat
+    template when it has one), a list of chat messages, or token ids.
+    """
+
+    def __init__(self, target, tokenizer, head=None, *, model: str | None = None, head_folder: str | Path | None = None,
+                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None) -> None:
+        self.target, self.tokenizer, self.head = target, tokenizer, head
+        self.model = model
+        """The model as given to :func:`load` (a short name, a path, or None for the default)."""
+        self.head_folder = Path(head_folder) if head_folder else None
+        """The head's folder: learned methods' policies and the tuned static tree are found next to it."""
+        self.dtype = dtype
+        self.max_seq_len = max_seq_len
+        self.engine = Engine(target, head, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=max_seq_len)
+
+    @property
+    def model_label(self) -> str:
+        from adaptree.models.registry import DEFAULT_MODEL_NAME
+
+        return str(self.model or DEFAULT_MODEL_NAME)
+
+    def settings(self) -> dict:
+        """What a measurement with this pipeline depends on: the model and head (names and sha256), the dtype
+        and torch's threads. Results folders are pinned to these."""
+        from adaptree.models.registry import HEADS_DIR, model_sha256, sha256_file
+
+        head = self.head_folder
+        shown = str(head) if head else None
+        if head and head.resolve().parent == HEADS_DIR:  # no machine paths in shareable results
+            shown = f"shipped:{head.name}"
+        dtype = next(name for name, d in DTYPES.items() if d == self.dtype)
+        return {"model": self.model_label, "dtype": dtype, "model_sha256": model_sha256(self.model),
+                "draft": shown, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
+                "threads": torch.get_num_threads()}
+
+    @property
+    def default_method(self) -> str:
+        """``static`` with a draft head, else ``ar``."""
+        return "static" if self.head is not None else "ar"
+
+    def encode(self, prompt: str | Messages | Sequence[int], chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a string (through the chat template when the model has one and ``chat`` is
+        not False), a list of chat messages, or ids (returned as they are)."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            use_chat = bool(tok.chat_template) if chat is None else chat
+            if use_chat:
+                if not tok.chat_template:
+                    raise ValueError("chat=True was given but this model has no chat template")
+                return tok.apply_chat([{"role": "user", "content": prompt}])
+            return tok.encode(prompt)
+        items = list(prompt)
+        if not items:
+            raise ValueError("the prompt is empty")
+        if all(isinstance(x, dict) for x in items):
+            if chat is False or not tok.chat_template:  # no template: the turns' text, one after the other
+                return tok.encode("\n\n".join(str(m["content"]) for m in items))
+            return tok.apply_chat(items)
+        if all(isinstance(x, int) for x in items):
+            return items
+        raise ValueError("a prompt is a string, a list of {'role', 'content'} messages or a list of token ids")
+
+    def controller(self, method: str | None = None, **options: Any) -> Controller:
+        """The controller of ``method`` (default :attr:`default_method`) with ``options`` (the method's config
+        fields); policies and tuned trees come from next to the head in use unless given."""
+        method = method or self.default_method
+        if method != "ar" and self.head is None:
+            raise ValueError(f"method {method!r} needs a draft head; this pipeline has none (load(head=...))")
+        return make_controller(method, head_folder=self.head_folder, model=self.model_label,
+                               tokenizer=self.tokenizer, **options)
+
+    def _prepare(self, prompt, method, controller, sampling, chat, options):
+        if controller is not None and (method is not None or options):
+            raise ValueError("pass either a controller or a method with its options, not both")
+        ctl = controller if controller is not None else self.controller(method, **options)
+        if sampling is None:
+            sampling = SamplingConfig()
+        elif isinstance(sampling, dict):
+            sampling = SamplingConfig(**sampling)
+        return self.encode(prompt, chat), ctl, sampling
+
+    def generate(self, prompt: str | Messages | Sequence[int], method: str | None = None, *,
+                 max_new_tokens: int = 256, sampling: SamplingConfig | dict | None = None,
+                 controller: Controller | None = None, chat: bool | None = None, **options: Any) -> Generation:
+        """Generate after ``prompt`` with ``method`` (its config fields as ``options``, e.g. ``width=4``).
+
+        :param sampling: greedy by default; a :class:`SamplingConfig` or its fields as a dict
+            (``{"temperature": 1.0, "top_p": 0.9, "seed": 0}``).
+        :param controller: a controller built elsewhere, instead of ``method``.
+        """
+        ids, ctl, sampling = self._prepare(prompt, method, controller, sampling, chat, options)
+        res = self.engine.generate(ids, ctl, max_new_tokens=max_new_tokens, sampling=sampling)
+        return Generation(self.tokenizer.decode(res.token_ids), res.token_ids, ids, res)
+
+    def stream(self, prompt: str | Messages | Sequence[int], method: str | None = None, *,
+               max_new_tokens: int = 256, sampling: SamplingConfig | dict | None = None,
+               controller: Controller | None = None, chat: bool | None = None, **options: Any) -> Stream:
+        """Like :meth:`generate`, as an iterator over text pieces; the :class:`Generation` is on the returned
+        :class:`Stream`'s ``generation`` once it is exhausted. Errors in the arguments raise here, before any
+        text."""
+        ids, ctl, sampling = self._prepare(prompt, method, controller, sampling, chat, options)
+        return Stream(self, ids, ctl, max_new_tokens, sampling)
+
+
+def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "bfloat16",
+         device: str | torch.device = "cpu", threads: int | None = None, max_seq_len: int | None = None) -> Pipeline:
+    """Load a target model, its tokenizer and an EAGLE-3 draft head.
+
+    :param model: a registered short name (``smollm2-135m``, the default; ``qwen2.5-coder-0.5b``, ...), a Hugging
+        Face checkpoint folder or a ``.gguf`` file.
+    :param head: ``"auto"`` = the head adaptree ships for a registered model (none for other models), a head folder
+        (``config.json`` + ``model.safetensors``), or None for no head (autoregressive decoding only).
+    :param dtype: ``"float32"`` (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
+    :param device: ``"cpu"`` or a CUDA device.
+    :param threads: torch's CPU threads; torch's setting is process-wide, so this changes it for the whole
+        process (None leaves it alone).
+    :param max_seq_len: context limit (default: the model's, at most 8192).
+    """
+    from adaptree.models.eagle3 import Eagle3Head
+    from adaptree.models.registry import load_model, shipped_head
+
+    dt = dtype_of(dtype)
+    if threads is not None:
+        if int(threads) < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(int(threads))
+    if max_seq_len is not None and int(max_seq_len) < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len)
+    if head == "auto":
+        head_folder = shipped_head(model)
+    elif head is None or head == "none":
+        head_folder = None
+    else:
+        head_folder = Path(head)
+    draft = Eagle3Head.from_pretrained(head_folder, target=target, dtype=dt).eval() if head_folder else None
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        target.to(dev)
+        if draft is not None:
+            draft.to(dev)
+    return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
+                    dtype=dt, max_seq_len=max_seq_len)
