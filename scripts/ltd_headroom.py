@@ -31,11 +31,12 @@ from ltd_ablations import markdown_table  # scripts/, next to this file
 
 from adaptree.core.controller import Controller, TreePlan
 from adaptree.methods import StaticConfig, StaticController
-from adaptree.methods.ltd.controller import SHIPPED, LTDConfig, LTDController
+from adaptree.methods.ltd.controller import LTDConfig, LTDController
 from adaptree.methods.ltd.train import evaluate
 from adaptree.offline.latency import load_checked
 from adaptree.offline.oracle import fraction_of_oracle_gain, oracle_all
 from adaptree.offline.policy import MLPPolicy
+from adaptree.models import shipped_head
 from adaptree.offline.traces import TraceStore, acceptance_table, num_candidates
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
@@ -129,7 +130,7 @@ def main() -> None:
         k = int(np.argmax((acc + 1).sum(0) / time.sum(0)))
         d, v = ACTIONS[k]
         rows[f"best static D{d} V{v} (chosen on {where})"] = evaluate(StaticController(StaticConfig(w, d, v)), test, lat)
-    folder = Path(args.ltd_policy) if args.ltd_policy else SHIPPED
+    folder = Path(args.ltd_policy) if args.ltd_policy else shipped_head() / "ltd"  # the default model's pair
     dp = MLPPolicy.load(folder / "depth", kind="ltd-depth")
     sp = MLPPolicy.load(folder / "size", kind="ltd-size")
     rows["LTD (PPO policies)"] = evaluate(LTDController(LTDConfig(width=w, mode="both"), depth_policy=dp,

@@ -8,6 +8,16 @@ import torch
 from adaptree.models.config import ModelConfig
 from adaptree.models.eagle3 import Eagle3Head
 from adaptree.models.llama import Transformer
+from adaptree.offline.traces import TraceSettings
+
+PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
+"""Prompts for the tiny models (16-token vocabulary) shared by the engine, trace and oracle tests."""
+
+N_NEW = 30
+"""New tokens per prompt in the trace and oracle tests."""
+
+TRACE_SETTINGS = TraceSettings(widths=(3, 8, 10), max_depth=12, max_new_tokens=N_NEW, feature_dtype="float32")
+"""Greedy traces of the trace and oracle tests: three widths, depth up to 12."""
 
 
 def tiny_target(vocab: int = 16, seed: int = 0, layers: int = 4, dtype=torch.float32) -> Transformer:

@@ -15,7 +15,6 @@ from adaptree.bench.runner import (
     finish,
     read_records,
 )
-from adaptree.offline.runs import check_out_dir
 from adaptree.bench.stats import (
     acceptance_by_position,
     bootstrap_ratio_ci,
@@ -27,6 +26,7 @@ from adaptree.bench.stats import (
 from adaptree.core.engine import Engine
 from adaptree.data.prompts import Prompt
 from adaptree.methods import StaticConfig, StaticController, make_controller
+from adaptree.offline.runs import check_out_dir
 
 
 def _encode(messages):

@@ -118,8 +118,7 @@ def test_modelled_refuses_missing_traces(tiny_pair, tmp_path, bench):
 
 
 def test_run_oracle_builds_the_bench_methods_with_their_flags(tiny_pair, tmp_path, bench):
-    import argparse
-
+    from adaptree.api import Pipeline
     from adaptree.bench.runner import run_oracle
 
     target, head = tiny_pair
@@ -128,8 +127,10 @@ def test_run_oracle_builds_the_bench_methods_with_their_flags(tiny_pair, tmp_pat
     class Tok:
         eos_token_ids = [15]
 
-    args = argparse.Namespace(width=4, depth=None, size=None, max_seq_len=None, method=None)
-    sec = run_oracle(cfg, args, tmp_path / "b", target, Tok(), head, sets, _encode, max_len)
+    pipe = Pipeline(target, Tok(), head, model="tiny")
+    pipe.encode = _encode  # the bench tests' toy chat template
+    options = {m: {"width": 4} for m in cfg.methods if m != "ar"}  # as `adaptree bench -W 4` gives them
+    sec = run_oracle(cfg, pipe, tmp_path / "b", sets, options)
     store_settings = json.loads((tmp_path / "b" / "traces" / "manifest.json").read_text())["settings"]
     assert store_settings["widths"] == [4] and store_settings["max_depth"] == 12
     assert store_settings["eos_token_ids"] == [15] and store_settings["max_new_tokens"] == cfg.max_new_tokens

@@ -186,9 +186,11 @@ def _question_file(tmp_path):
 
 def test_calibrate_cli_writes_model_meta_and_validation(tmp_path, models, monkeypatch, capsys):
     import adaptree.cli as cli
+    from adaptree.api import Pipeline
+    from adaptree.cli import common
 
     target, head = models
-    monkeypatch.setattr(cli, "load_models", lambda args: (target, Tok(), head))
+    monkeypatch.setattr(common, "load_pipeline", lambda args: Pipeline(target, Tok(), head))
     out = tmp_path / "lat" / "latency.json"
     argv = ["calibrate", "--datasets", "", "--question-file", str(_question_file(tmp_path)), "--limit", "3",
             "--widths", "2,4", "--sizes", "0,4,8", "--lengths", "8,24", "--repeats", "1",
@@ -212,10 +214,12 @@ def test_calibrate_cli_writes_model_meta_and_validation(tmp_path, models, monkey
 
 def test_calibrate_cli_without_validation_and_bad_input(tmp_path, models, monkeypatch, capsys):
     import adaptree.cli as cli
+    from adaptree.api import Pipeline
+    from adaptree.cli import common
 
     target, head = models
     loaded = []
-    monkeypatch.setattr(cli, "load_models", lambda args: loaded.append(1) or (target, Tok(), head))
+    monkeypatch.setattr(common, "load_pipeline", lambda args: loaded.append(1) or Pipeline(target, Tok(), head))
     out = tmp_path / "l.json"
     base = ["calibrate", "--datasets", "", "--widths", "2,3", "--sizes", "0,4", "--lengths", "8,16", "--repeats", "1",
             "--out", str(out), "--quiet"]
@@ -236,7 +240,7 @@ def test_calibrate_cli_without_validation_and_bad_input(tmp_path, models, monkey
     blocker.write_text("")
     assert cli.main(base[:-3] + ["--out", str(blocker / "x.json"), "--validate", ""]) == 2
     assert "cannot write" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "load_models", lambda args: (target, Tok(), None))
+    monkeypatch.setattr(common, "load_pipeline", lambda args: Pipeline(target, Tok(), None))
     assert cli.main(base + ["--validate", ""]) == 2
     assert "needs a draft head" in capsys.readouterr().err
 

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from conftest import PROMPTS
 
 from adaptree.core.engine import Engine
 from adaptree.core.records import CycleRecord
@@ -310,7 +311,6 @@ def test_cli_flags_reach_every_method(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ losslessness
-PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 LOSSLESS = [
     ("deagle", {}), ("deagle", dict(width=4, depth=6, size=20, votes=("expected",), min_votes=1)),
     ("deagle", dict(width=3, depth=8, size=15, tau_s=0.9, tau_rho=0.95, votes=("survival", "momentum"))),

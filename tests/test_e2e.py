@@ -19,8 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from adaptree.models.loading import load_target
-    from adaptree.models.registry import default_model_path
+    from adaptree.models import default_model_path, load_target
 
     try:
         path = default_model_path()
@@ -74,7 +73,7 @@ def test_cli_reports_bad_input_cleanly(tmp_path):
 @pytest.fixture(scope="module")
 def shipped_engine(smollm2):
     """The default model's engine with the head shipped for it (loaded as ``--draft auto`` does)."""
-    from adaptree.models.registry import shipped_head
+    from adaptree.models import shipped_head
 
     folder = shipped_head()
     if folder is None:
@@ -125,7 +124,7 @@ def test_shipped_policies_load_and_are_lossless(smollm2, shipped_engine):
     """Every learned or tuned method shipped next to the default head loads without flags and leaves the
     fp32 greedy output identical to AR; the learned controllers actually shape the tree."""
     from adaptree.methods import LEARNED, make_controller
-    from adaptree.models.registry import shipped_head
+    from adaptree.models import shipped_head
 
     tok, eng = smollm2[1], shipped_engine
     ids = tok.apply_chat([{"role": "user", "content": "Write a Python function that checks for palindromes."}])

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_head, tiny_target
+from conftest import PROMPTS, tiny_head, tiny_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -23,8 +23,6 @@ from adaptree.methods import (
     TreePlan,
     make_controller,
 )
-
-PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 
 
 def reference_greedy(target, prompt, n):

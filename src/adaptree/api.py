@@ -23,7 +23,7 @@ import torch
 
 from adaptree.core.controller import Controller
 from adaptree.core.engine import Engine
-from adaptree.core.records import CycleRecord, GenerationResult
+from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.methods import make_controller
 
@@ -46,6 +46,10 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
 
 
+def _from_result(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.result, name), doc=doc)
+
+
 @dataclass
 class Generation:
     """What :meth:`Pipeline.generate` returns: the text, the ids and the engine's cycle records."""
@@ -56,26 +60,11 @@ class Generation:
     result: GenerationResult = field(repr=False)
     """The engine's record: per-cycle :class:`~adaptree.core.records.CycleRecord` objects, timings, stop reason."""
 
-    @property
-    def cycles(self) -> list[CycleRecord]:
-        return self.result.cycles
-
-    @property
-    def tau(self) -> float:
-        """Acceptance length: mean over cycles of (accepted draft tokens + 1)."""
-        return self.result.tau
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.result.tokens_per_s
-
-    @property
-    def method(self) -> str:
-        return self.result.method
-
-    @property
-    def stop_reason(self) -> str:
-        return self.result.stop_reason
+    cycles = _from_result("cycles", "One record per draft-and-verify cycle.")
+    tau = _from_result("tau", "Acceptance length: mean over cycles of (accepted draft tokens + 1).")
+    tokens_per_s = _from_result("tokens_per_s", "New tokens per second of wall time (prefill included).")
+    method = _from_result("method", "The controller's name.")
+    stop_reason = _from_result("stop_reason", "eos, max_new_tokens or context_limit.")
 
 
 class _Cancelled(Exception):
@@ -173,23 +162,31 @@ class Pipeline:
 
     @property
     def model_label(self) -> str:
-        from adaptree.models.registry import DEFAULT_MODEL_NAME
+        from adaptree.models import DEFAULT_MODEL_NAME
 
         return str(self.model or DEFAULT_MODEL_NAME)
 
     def settings(self) -> dict:
         """What a measurement with this pipeline depends on: the model and head (names and sha256), the dtype
         and torch's threads. Results folders are pinned to these."""
-        from adaptree.models.registry import HEADS_DIR, model_sha256, sha256_file
+        from adaptree.models import model_sha256, sha256_file
 
         head = self.head_folder
-        shown = str(head) if head else None
-        if head and head.resolve().parent == HEADS_DIR:  # no machine paths in shareable results
-            shown = f"shipped:{head.name}"
         dtype = next(name for name, d in DTYPES.items() if d == self.dtype)
         return {"model": self.model_label, "dtype": dtype, "model_sha256": model_sha256(self.model),
-                "draft": shown, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
+                "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
+
+    @property
+    def head_label(self) -> str | None:
+        """The head's folder as results files show it: ``shipped:<name>`` for a head adaptree ships (no machine
+        paths in shareable results), else its path; None without a head."""
+        from adaptree.models import HEADS_DIR
+
+        head = self.head_folder
+        if head is None:
+            return None
+        return f"shipped:{head.name}" if head.resolve().parent == HEADS_DIR else str(head)
 
     @property
     def default_method(self) -> str:
@@ -275,7 +272,7 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     :param max_seq_len: context limit (default: the model's, at most 8192).
     """
     from adaptree.models.eagle3 import Eagle3Head
-    from adaptree.models.registry import load_model, shipped_head
+    from adaptree.models import load_model, shipped_head
 
     dt = dtype_of(dtype)
     if threads is not None:

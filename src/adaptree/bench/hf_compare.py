@@ -32,7 +32,9 @@ class CompareConfig:
     prompts: int = 6
     """Number of MT-bench first turns."""
     max_new_tokens: int = 128
+    """Tokens per run."""
     repeats: int = 1
+    """Runs of every prompt."""
     out: str = "runs/compare-hf"
     """Results folder (results.jsonl, summary.json)."""
 

@@ -18,7 +18,6 @@ measured records every time the summary is rebuilt (``adaptree report`` too).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -30,14 +29,6 @@ NOTE = ("modelled = greedy traces of the first turns replayed with the latency m
         "speedup of the bench runs of the same first turns (prefill included). 'fraction (measured)' divides a "
         "measured gain by the oracle's modelled gain, so it mixes measured and modelled numbers; 'fraction "
         "(simulated)' compares modelled with modelled.")
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """The bench's oracle option (``--oracle-latency``)."""
-    p.add_argument("--oracle-latency", default=None, metavar="FILE",
-                   help="greedy only: after the bench, record traces of the first turns under OUT/traces and add the "
-                        "oracle's and the best static tree's modelled speedup and each method's fraction of the oracle "
-                        "gain to summary.json and report.md, using this latency model (`adaptree calibrate`)")
 
 
 def trace_settings(cfg, eos_token_ids, max_seq_len, widths=(10,), max_depth: int = 12):
@@ -195,14 +186,11 @@ HEADER = ["dataset", "row", "measured", "modelled", "frac. gain (measured)", "fr
 
 
 def print_section(section: dict) -> None:
-    rows = [HEADER] + table_rows(section)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    from adaptree.offline.runs import format_table
+
     print()
     print(f"oracle (first turns, latency model {section['latency']}):")
-    for n, r in enumerate(rows):
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    print(format_table(HEADER, table_rows(section), left=2))
     for w in section.get("machine_warnings") or []:
         print(f"warning: {w}")
 

@@ -139,13 +139,10 @@ HEADER = ["dataset", "method", "speedup", "95% CI", "tok/s", "tau", "depth", "V"
 
 
 def print_table(summary: dict) -> None:
-    rows = [HEADER] + table_rows(summary)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    from adaptree.offline.runs import format_table
+
     print()
-    for n, r in enumerate(rows):
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    print(format_table(HEADER, table_rows(summary), left=2))
     s = summary.get("settings", {})
     print(f"model {s.get('model')}, dtype {s.get('dtype')}, threads {s.get('threads')}, "
           f"{'greedy' if summary['greedy'] else 'T=' + str(summary['config']['temperature'])}; "

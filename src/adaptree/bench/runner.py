@@ -54,6 +54,7 @@ class BenchConfig:
     """Arms: engine methods (ar, static, ...) and Hugging Face references (hf_generate, hf_prompt_lookup,
     hf_assisted). Must include ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
+    """Benchmarks: mt_bench, humaneval, sharegpt."""
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
     limit: int = 3
@@ -63,17 +64,23 @@ class BenchConfig:
     max_new_tokens: int = 128
     """Per turn."""
     temperature: float = 0.0
+    """0 = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
     top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
     seed: int = 0
     """Sampling seed of repeat r is ``seed + r`` (every arm gets the same seed)."""
     repeats: int = 1
+    """Runs of every prompt and arm."""
     reference: str | None = "static"
     """Method every other one is tested against (paired Wilcoxon, speed ratio); None or absent = skip."""
     assistant_model: str | None = None
     """Draft model of ``hf_assisted`` (default: the registered smaller sibling, e.g. 0.5B for 1.5B)."""
     warmup: bool = True
+    """One short untimed generation per arm first."""
     out: str = "runs/bench"
+    """Results folder: results.jsonl (resumed if present), summary.json, report.md, plots."""
     oracle_latency: str | None = None
     """Latency model JSON: after a greedy bench, record traces of the first turns and report the oracle's and
     the best static tree's modelled speedup and each method's fraction of the oracle gain
@@ -119,13 +126,9 @@ def _digest(ids: list[int]) -> str:
 
 
 def _load_prompts(cfg: BenchConfig):
-    from adaptree.data.prompts import load_dataset, load_question_file
+    from adaptree.data.prompts import load_prompt_sets
 
-    sets = [(name, load_dataset(name)[: cfg.limit]) for name in cfg.datasets]
-    if cfg.question_file:
-        qs = load_question_file(cfg.question_file)
-        sets.append((qs[0].dataset if qs else "questions", qs[: cfg.limit]))
-    return sets
+    return load_prompt_sets(cfg.datasets, cfg.question_file, cfg.limit)
 
 
 def _run_settings(cfg: BenchConfig, pipeline: Pipeline) -> dict:
@@ -170,7 +173,7 @@ def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptio
                 if name is None:
                     raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
                                      f"(registered pairs: {DEFAULT_ASSISTANTS})")
-                from adaptree.models.registry import load_model
+                from adaptree.models import load_model
 
                 small, _ = load_model(name, dtype=pipeline.dtype)
                 assistant = hf_twin(small)

@@ -1,74 +1,108 @@
-"""Command line: ``adaptree train ltd`` (registered by :func:`add_train_parser`)."""
+"""``adaptree train ltd``, ``train resps`` and ``train radar``: the learned controllers' trainers."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-
-def record_training_traces(args, models, folder: Path, prompts, widths=(10,), max_depth: int = 12,
-                           feature_dtype: str = "none"):
-    """Greedy traces of the policy-training ``prompts`` (:func:`~adaptree.data.splits.policy_training_prompts`),
-    recorded into ``folder`` if not there yet (resumable); returns them loaded."""
-    from adaptree.cli import encode_prompt
-    from adaptree.cli.offline import tokenizer_digest
-    from adaptree.offline.traces import TraceSettings, open_store_for
-
-    target, tok, head = models
-    if head is None:
-        raise ValueError("training a policy needs a draft head: pass --draft PATH (or use a model that ships one)")
-    chat = bool(tok.chat_template)
-    settings = TraceSettings(widths=tuple(widths), max_depth=max_depth, max_new_tokens=args.max_new_tokens,
-                             eos_token_ids=tuple(tok.eos_token_ids), max_seq_len=args.max_seq_len,
-                             feature_dtype=feature_dtype,
-                             extra=(("tokenizer", tokenizer_digest(tok)), ("chat", str(chat))))
-    store = open_store_for(folder, target, head, settings)
-    prompts = [(f"{p.dataset}/{p.id}", encode_prompt(tok, p.turns[0], chat)) for p in prompts]
-    store.record(target, head, prompts, progress=not args.quiet)
-    keys = {k for k, _ in prompts}
-    return [t for t in store.load_all() if t.key in keys]
-
-
-def load_latency(path: str | None):
-    """The latency model at ``path`` (a warning when it was measured on another machine)."""
-    from adaptree.offline.latency import load_checked
-
-    if not path:
-        raise ValueError("pass --latency FILE: the latency model of this machine (`adaptree calibrate`)")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"latency model {path!r} does not exist; make one with `adaptree calibrate`")
-    return load_checked(path)
-
+from adaptree.cli import common, radar
+from adaptree.cli.common import ConfigFlags, add_model_args, add_output_args
 
 OBS_ABLATIONS = {"pdl": (True, True), "pl": (False, True), "pd": (True, False)}
+"""``--obs`` -> LTD's (use_depth, use_length)."""
+
+LTD_PPO_INTERNALS = ("batch_size", "n_epochs", "ent_coef", "lr", "gamma_depth", "gamma_size", "depth_pi", "depth_vf",
+                     "size_pi", "size_vf")
+"""LTD's PPO settings left at the paper's values (no flags)."""
+
+
+def _prompt_flags(**defaults) -> ConfigFlags:
+    from adaptree.offline.recording import TrainingPrompts
+
+    return ConfigFlags(TrainingPrompts, positive=("max_new_tokens",), defaults=defaults)
+
+
+def _ltd_flags() -> ConfigFlags:
+    from adaptree.methods.ltd.train import LTDTrainConfig
+    from adaptree.offline.envs import REWARDS
+
+    return ConfigFlags(LTDTrainConfig, exclude=("use_depth", "use_length", "threads", *LTD_PPO_INTERNALS),
+                       short={"width": "-W"}, choices={"only": ("size", "depth"), "reward": REWARDS[:3]},
+                       positive=("width", "max_depth", "fixed_size", "fixed_depth", "size_steps", "depth_steps",
+                                 "iter_steps", "n_envs", "rollout", "eval_every"))
+
+
+def _resps_flags() -> ConfigFlags:
+    from adaptree.methods.resps.controller import NORMALIZE, STATES
+    from adaptree.methods.resps.train import ReSpSTrainConfig
+    from adaptree.offline.envs import REWARDS
+
+    return ConfigFlags(ReSpSTrainConfig, exclude=("time_budget_s", "threads"), rename={"n_epochs": "epochs"},
+                       choices={"state": STATES, "normalize": NORMALIZE, "reward": REWARDS},
+                       positive=("interval", "val_interval", "steps", "n_envs", "n_steps", "batch_size", "n_epochs",
+                                 "eval_every", "checkpoint_every"))
+
+
+RESPS_PROMPTS = {"train_code": 0, "train_chat": 64}
+"""Re-SpS trains on ShareGPT (LTD on HumanEval and ShareGPT alike)."""
+
+
+def add_latency_arg(p, needed: str = "") -> None:
+    p.add_argument("--latency", default=None,
+                   help=f"latency model JSON of this machine (`adaptree calibrate`, same --dtype){needed}")
+
+
+def register(sub) -> None:
+    t = sub.add_parser("train", help="train a learned controller (ltd, resps, radar) on the simulator or the live "
+                                     "engine")
+    tsub = t.add_subparsers(dest="train_command", required=True)
+
+    p = tsub.add_parser("ltd", help="LTD: PPO depth and size policies, stage 1 then co-adaptation; exports the best "
+                                    "pair on validation to OUT/policy (safetensors + JSON)")
+    add_model_args(p)
+    add_latency_arg(p)
+    _prompt_flags().add(p.add_argument_group("training prompts"))
+    g = p.add_argument_group("training")
+    _ltd_flags().add(g)
+    g.add_argument("--obs", choices=sorted(OBS_ABLATIONS), default="pdl",
+                   help="observation: pdl = scores + D + L (LTD), pl = without D, pd = without L (default pdl)")
+    g.add_argument("--live", action="store_true",
+                   help="train on the live engine with wall-clock rewards (slow; validation stays on the simulator)")
+    add_output_args(p, json_help="print the summary as JSON")
+    p.set_defaults(func=cmd_train_ltd)
+
+    p = tsub.add_parser("resps", help="Re-SpS: a PPO policy choosing the tree (TT, d, k) every N cycles from the "
+                                      "target's features; exports the best checkpoint on validation to OUT/policy")
+    add_model_args(p)
+    add_latency_arg(p, "; needed unless both training and validation are live")
+    _prompt_flags(**RESPS_PROMPTS).add(p.add_argument_group("training prompts"))
+    from adaptree.methods.resps.workflow import VALIDATION
+    from adaptree.offline.traces import FEATURE_DTYPES
+
+    p.add_argument("--feature-dtype", choices=[k for k in FEATURE_DTYPES if k != "none"], default="float16",
+                   help="stored target features of the traces (default float16)")
+    g = p.add_argument_group("training")
+    _resps_flags().add(g)
+    g.add_argument("--live", action="store_true",
+                   help="train online on the live engine with wall-clock rewards (the paper's mode; slow)")
+    g.add_argument("--val", choices=VALIDATION, default="sim",
+                   help="validate on held-out prompts in the simulator (default) or on the live engine (tokens/s)")
+    g.add_argument("--time-budget-min", type=float, default=None,
+                   help="stop with a checkpoint after this many minutes of training; rerun to continue")
+    add_output_args(p, json_help="print the summary as JSON")
+    p.set_defaults(func=cmd_train_resps)
+
+    radar.add_train_args(tsub.add_parser("radar", help=f"RADAR: {radar.TRAIN_HELP} (= `adaptree radar train`)"))
 
 
 def cmd_train_ltd(args) -> int:
-    from adaptree.cli import encode_prompt, load_models
-    from adaptree.core.engine import Engine
-    from adaptree.data.splits import policy_training_prompts
-    from adaptree.methods.ltd.train import LTDTrainConfig, train_ltd
+    from adaptree.methods.ltd.workflow import train_ltd_for
+    from adaptree.offline.latency import require_latency
 
-    use_d, use_l = OBS_ABLATIONS[args.obs]
-    cfg = LTDTrainConfig(out=args.out, width=args.width, max_depth=args.max_depth, size_steps=args.size_steps,
-                         depth_steps=args.depth_steps, iter_steps=args.iter_steps, iterations=args.iterations,
-                         only=args.only, reward=args.reward, use_depth=use_d, use_length=use_l, n_envs=args.n_envs,
-                         eval_every=args.eval_every, seed=args.seed, threads=args.threads,
-                         **({"sizes": args.sizes} if args.sizes else {}))
-    latency = load_latency(args.latency)
-    folder = Path(args.traces) if args.traces else Path(args.out) / "traces"
-    models = load_models(args)
-    prompts = policy_training_prompts(args.train_code, args.train_chat, args.split_seed)
-    traces = record_training_traces(args, models, folder, prompts, (args.width,), args.max_depth)
-    live = None
-    if args.live:
-        from adaptree.offline.envs import LiveSource
-
-        target, tok, head = models
-        engine = Engine(target, head, eos_token_ids=tok.eos_token_ids, max_seq_len=args.max_seq_len)
-        live = LiveSource(engine, [encode_prompt(tok, p.turns[0], None) for p in prompts],
-                          max_new_tokens=args.max_new_tokens)
-    s = train_ltd(cfg, traces, latency, progress=not args.quiet, live_source=live)
+    use_depth, use_length = OBS_ABLATIONS[args.obs]
+    cfg = _ltd_flags().build(args, use_depth=use_depth, use_length=use_length, threads=args.threads)
+    prompts = _prompt_flags().build(args)
+    latency = require_latency(args.latency)  # before the models load
+    s = train_ltd_for(common.load_pipeline(args), cfg, latency, prompts, live=args.live, progress=not args.quiet)
     if args.json:
         print(json.dumps(s))
         return 0
@@ -84,59 +118,32 @@ def cmd_train_ltd(args) -> int:
     for name, r in s["baselines_val"].items():
         print(f"  {name:<18} val {r['modelled_speedup']:.3f}x  tau {r['tau']:.2f}")
     chosen = f"Iter{s['chosen']['iteration']}" if "iteration" in s["chosen"] else s["chosen"]["policy"]
-    print(f"chosen: {chosen}; policies in {s['export']} (summary: {args.out}/summary.json)")
+    print(f"chosen: {chosen}; policies in {s['export']} (summary: {cfg.out}/summary.json)")
     return 0
 
 
-def add_train_parser(sub) -> None:
-    """Register ``train ltd`` and ``train resps``."""
-    from adaptree.cli import _positive_int, add_model_args
-    from adaptree.cli.offline import _int_list
-    from adaptree.methods.ltd.train import LTDTrainConfig
-    from adaptree.offline.envs import REWARDS
+def cmd_train_resps(args) -> int:
+    from adaptree.methods.resps.train import format_table
+    from adaptree.methods.resps.workflow import train_resps_for
+    from adaptree.offline.latency import require_latency
 
-    d = LTDTrainConfig()
-    t = sub.add_parser("train", help="train a learned controller (ltd, resps) on the simulator or the live engine")
-    tsub = t.add_subparsers(dest="train_command", required=True)
-    p = tsub.add_parser("ltd", help="LTD: PPO depth and size policies, stage 1 then co-adaptation; exports the best "
-                                    "pair on validation to OUT/policy (safetensors + JSON)")
-    add_model_args(p)
-    p.add_argument("--latency", default=None, help="latency model JSON of this machine (`adaptree calibrate`)")
-    p.add_argument("--traces", default=None,
-                   help="greedy traces of the training prompts (default OUT/traces; recorded there if missing)")
-    p.add_argument("--train-code", type=int, default=24, help="HumanEval training problems (index 82 on; default 24)")
-    p.add_argument("--train-chat", type=int, default=24, help="ShareGPT train-split prompts (default 24)")
-    p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT split")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=192, help="tokens per training prompt (default 192)")
-    p.add_argument("--width", "-W", type=_positive_int, default=d.width)
-    p.add_argument("--max-depth", type=_positive_int, default=d.max_depth)
-    p.add_argument("--size-steps", type=_positive_int, default=d.size_steps,
-                   help=f"stage-1 steps of the size policy (default {d.size_steps}; paper 100k)")
-    p.add_argument("--depth-steps", type=_positive_int, default=d.depth_steps,
-                   help=f"stage-1 steps of the depth policy (default {d.depth_steps}; paper 1M)")
-    p.add_argument("--iter-steps", type=_positive_int, default=d.iter_steps,
-                   help=f"steps of each co-adaptation iteration (default {d.iter_steps})")
-    p.add_argument("--iterations", type=int, default=d.iterations, help="co-adaptation iterations 0..3 (default 3)")
-    p.add_argument("--only", choices=("size", "depth"), default=None,
-                   help="train this stage-1 policy alone and export it (the reward/observation ablations)")
-    p.add_argument("--sizes", type=_int_list, default=None,
-                   help="the size policy's V values, comma-separated (default LTD's 20,40,...,240)")
-    p.add_argument("--reward", choices=REWARDS[:3], default=d.reward,
-                   help="throughput (LTD), acceptance or time (the reward ablation)")
-    p.add_argument("--obs", choices=sorted(OBS_ABLATIONS), default="pdl",
-                   help="observation: pdl = scores + D + L (LTD), pl = without D, pd = without L")
-    p.add_argument("--n-envs", type=_positive_int, default=d.n_envs)
-    p.add_argument("--eval-every", type=_positive_int, default=d.eval_every, help="validate every N rollouts")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--live", action="store_true",
-                   help="train on the live engine with wall-clock rewards (slow; validation stays on the simulator)")
-    p.add_argument("--out", default=d.out, help=f"run folder (default {d.out})")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_train_ltd)
-    from adaptree.cli.resps import add_resps_parser
-
-    add_resps_parser(tsub)
-    from adaptree.cli.radar import RADAR_TRAIN_HELP, add_radar_train_args
-
-    add_radar_train_args(tsub.add_parser("radar", help="RADAR: " + RADAR_TRAIN_HELP + " (= `adaptree radar train`)"))
+    budget = None if args.time_budget_min is None else 60.0 * args.time_budget_min
+    cfg = _resps_flags().build(args, time_budget_s=budget, threads=args.threads)
+    prompts = _prompt_flags(**RESPS_PROMPTS).build(args)
+    simulated = not args.live or args.val == "sim"
+    latency = require_latency(args.latency) if simulated else None  # before the models load
+    s, train_keys, val_keys = train_resps_for(common.load_pipeline(args), cfg, latency, prompts, live=args.live,
+                                              validation=args.val, feature_dtype=args.feature_dtype,
+                                              progress=not args.quiet)
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    if s.get("interrupted"):
+        print(f"time budget reached after {s['timesteps']} PPO steps; checkpoint in {s['checkpoint']}: rerun the "
+              f"same command to continue")
+        return 0
+    print(f"{len(train_keys)} training / {len(val_keys)} validation prompts "
+          f"({'live engine' if args.live else 'simulator'} training)")
+    print(format_table(s))
+    print(f"summary: {cfg.out}/summary.json, {cfg.out}/summary.md; log: {cfg.out}/log.csv")
+    return 0

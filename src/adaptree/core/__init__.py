@@ -1,6 +1,8 @@
 """The core: the one draft-and-verify loop and what it is made of.
 
-- :mod:`.engine`: the loop (prefill, draft, verify, accept, compact) and its cycle bookkeeping
+- :mod:`.engine`: the live engine (prefill, draft, verify, accept, compact on the models)
+- :mod:`.cycle`: the cycle loop's bookkeeping (controller calls, clamps, stop rules, records), run by the
+  engine and by the replay simulator
 - :mod:`.controller`: the controller seam (``TreePlan``, ``CycleContext``, ``Controller``) and the two
   controllers the loop itself needs: autoregressive and the static EAGLE-3 tree
 - :mod:`.tree`: the draft tree (beam expansion, top-V selection, tree mask)

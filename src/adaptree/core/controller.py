@@ -6,8 +6,9 @@ override: the defaults give a static tree of the plan's depth and size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,6 +90,47 @@ def check_shape(width: int, depth: int, size: int, depth_name: str = "depth") ->
         raise ValueError(f"size (V) must be >= 1, got {size}")
 
 
+_NOUNS = {int: "integers", float: "numbers"}
+
+
+def comma_list(value: str | Sequence[Any], convert: Callable[[Any], Any] = int, what: str = "the list") -> tuple:
+    """``"5,7,9"`` (blanks skipped) or a sequence, as a tuple of ``convert``-ed items; a ValueError names
+    ``what`` and the value when an item does not convert."""
+    items = [x.strip() for x in value.split(",")] if isinstance(value, str) else list(value)
+    try:
+        return tuple(convert(x) for x in items if not isinstance(x, str) or x)
+    except ValueError:
+        noun = _NOUNS.get(convert, "values")
+        raise ValueError(f"{what} must be comma-separated {noun}, got {value!r}") from None
+
+
+@dataclass
+class TreeShape:
+    """The fields a tree method's config starts with: beam width W, (maximum) draft depth and verification size
+    V, range-checked on construction (:func:`check_shape`). A config redeclares a field for its own default or
+    help text; the field keeps its place, so ``Config(W, D, V)`` works for every such config."""
+
+    width: int = 10
+    """Beam width W: top-k per expansion and beam size."""
+    depth: int = 8
+    """Draft depth D: draft forwards per cycle = levels of the tree."""
+    size: int = 60
+    """Verification size V: draft nodes sent to the target (the root is extra)."""
+
+    depth_name: ClassVar[str] = "depth"
+    """How a range error names the depth."""
+    unset_depth: ClassVar[int] = 1
+    """What is range-checked when the depth is None (a method that takes its depth from its policy)."""
+
+    def __post_init__(self) -> None:
+        check_shape(self.width, self.unset_depth if self.depth is None else self.depth, self.size, self.depth_name)
+
+    def plan(self, depth: int | None = None) -> TreePlan:
+        """The :class:`TreePlan` of this shape, with ``depth`` instead of the config's when given (a policy's, or
+        this cycle's)."""
+        return TreePlan(self.width, self.depth if depth is None else depth, self.size)
+
+
 class AutoregressiveController(Controller):
     """One token per target forward; the draft head is never run."""
 
@@ -100,28 +142,22 @@ class AutoregressiveController(Controller):
 
 
 @dataclass
-class StaticConfig:
+class StaticConfig(TreeShape):
     """EAGLE-3's static tree hyperparameters (SPEC.md §1; LTD's baseline uses depth 8)."""
 
-    width: int = 10
-    """Beam width W: top-k per expansion and beam size."""
-    depth: int = 8
-    """Draft depth D: draft forwards per cycle = levels of the tree."""
-    size: int = 60
-    """Verification size V: draft nodes sent to the target (the root is extra)."""
-
-    def __post_init__(self) -> None:
-        check_shape(self.width, self.depth, self.size, depth_name="depth (D)")
+    depth_name: ClassVar[str] = "depth (D)"
 
 
 class StaticController(Controller):
-    """EAGLE-3's dynamic tree with static hyperparameters: the same (W, D, V) every cycle."""
+    """EAGLE-3's dynamic tree with static hyperparameters: the same (W, D, V) every cycle. Depth rules that
+    keep one plan and only stop drafting early subclass it with their own config class."""
 
     name = "static"
+    config_class: type[TreeShape] = StaticConfig
 
-    def __init__(self, config: StaticConfig | None = None) -> None:
-        self.config = config or StaticConfig()
-        self.plan = TreePlan(self.config.width, self.config.depth, self.config.size)
+    def __init__(self, config: TreeShape | None = None) -> None:
+        self.config = config or self.config_class()
+        self.plan = self.config.plan()
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         return self.plan

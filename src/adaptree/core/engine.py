@@ -6,24 +6,26 @@
                       verify on the target; accept; compact the KV cache
                       ctl.end_cycle(record)
 
+The cycle bookkeeping (controller calls, clamps, stop rules, records) is
+:func:`adaptree.core.cycle.run_cycles`, which the replay simulator runs too; this module is its live
+source: the target and draft head, their KV caches and the wall clock.
+
 The autoregressive baseline is the same loop with a zero-depth plan: the tree is the root alone, so
 one target forward yields one token, on the same model code and KV cache.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from adaptree.core.controller import AutoregressiveController, Controller, CycleContext
+from adaptree.core.controller import AutoregressiveController, Controller
+from adaptree.core.cycle import CycleSource, emit, run_cycles
 from adaptree.core.records import CycleRecord, GenerationResult
-from adaptree.core.tree import DraftTree, root_only_tree
+from adaptree.core.tree import DraftStep, DraftTree, root_only_tree
 from adaptree.core.verify import SamplingConfig, sample_token, verify
-
-log = logging.getLogger(__name__)
 
 TREE_SLOTS = 4096
 """Draft-cache room for one cycle's throw-away tree entries (W x D <= 64 x 64)."""
@@ -56,7 +58,7 @@ class Engine:
                                  f"the target has {tc.hidden_size}")
         self.cache = target.new_cache(self.max_len)
         self.draft_cache = head.new_cache(self.max_len + TREE_SLOTS) if head is not None else None
-        self._warned_clamp = False
+        self._models = _ModelSource(self)
 
     @property
     def device(self) -> torch.device:
@@ -90,115 +92,98 @@ class Engine:
         self.cache.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()
-        gen = None if sampling.greedy else sampling.generator(dev)
         result = GenerationResult(prompt_len=n, token_ids=[], method=ctl.name)
 
         _sync(dev)
         t_start = time.perf_counter()
-        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
-        out = self.target(prompt, cache=self.cache, features=use_draft, logits_at=slice(-1, None))
-        root = sample_token(out.logits[0, -1], sampling, gen)
-        pend_h = out.features if use_draft else None  # draft inputs not consumed yet: (feature_t, token_t+1)
-        pend_t = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1) if use_draft else None
+        src = self._models
+        root = src.prefill(prompt_ids, sampling, use_draft, dev)
         tokens = result.token_ids
-        stop = self._emit(tokens, [root], max_new_tokens)
+        stop = emit(tokens, [root], max_new_tokens, self.eos)
         if on_tokens:
             on_tokens([root])
         _sync(dev)
         result.prefill_s = time.perf_counter() - t_start
 
-        while not stop:
-            L = self.cache.length
-            room = self.max_len - L  # target slots left for the root and the verified nodes
-            if room < 1:
-                stop = "context_limit"
-                break
-            t_cycle = time.perf_counter()
-            rec = CycleRecord(cycle=len(result.cycles), context_len=L, width=0, depth=0, size=0,
-                              candidates=0, accepted=0, emitted=0)
-            ctx = CycleContext(rec.cycle, L, len(tokens), pend_h[0, -1] if use_draft else None, prompt_ids, tokens)
-            t0 = time.perf_counter()
-            plan = ctl.begin_cycle(ctx)
-            rec.policy_s += time.perf_counter() - t0
-            rec.width = plan.width
-
-            if use_draft and plan.max_depth > 0 and room > 1:
-                t0 = time.perf_counter()
-                tree = DraftTree(self.head, self.draft_cache, plan.width, root, L)
-                step = tree.first_step(pend_h, pend_t)
-                pend_h = pend_t = None
-                _sync(dev)
-                rec.draft_s += time.perf_counter() - t0
-                while tree.depth < plan.max_depth:
-                    t0 = time.perf_counter()
-                    go_on = ctl.continue_drafting(step)
-                    rec.policy_s += time.perf_counter() - t0
-                    if not go_on:
-                        break
-                    t0 = time.perf_counter()
-                    step = tree.step()
-                    _sync(dev)
-                    rec.draft_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                v = int(ctl.choose_size(tree, plan))
-                rec.policy_s += time.perf_counter() - t0
-                if v < 0:
-                    raise ValueError(f"controller {ctl.name!r} chose a negative verification size V={v}")
-                rec.depth, rec.candidates = tree.depth, tree.num_candidates
-                # A plan whose full-depth tree has fewer than V candidates is worth one warning; a controller
-                # that stopped drafting early gets fewer candidates by design (nothing to say).
-                if v > tree.num_candidates and tree.depth == plan.max_depth and not self._warned_clamp:
-                    log.warning("V=%d exceeds the %d draft candidates (W=%d, depth %d); clamping V to the "
-                                "candidate count (said once)", v, tree.num_candidates, plan.width, tree.depth)
-                    self._warned_clamp = True
-                vtree = tree.select(min(v, tree.num_candidates, room - 1))
-                tree.discard()
-            else:
-                vtree = root_only_tree(root, L, dev)
-            rec.size = vtree.size
-
-            t0 = time.perf_counter()
-            out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
-                              tree_mask=vtree.mask if vtree.size else None, features=use_draft)
-            acc = verify(vtree, out.logits[0], sampling, gen)
-            _sync(dev)
-            rec.verify_s = time.perf_counter() - t0
-
-            path = acc.path
-            if acc.accepted == int(path[-1]):  # path is 0..k: the accepted nodes are already in place
-                self.cache.truncate(L + acc.accepted + 1)
-            else:
-                self.cache.compact(L, path)
-            new = vtree.tokens[path[1:]].tolist() + [acc.bonus]
-            rec.accepted = acc.accepted
-            if use_draft:
-                feats = out.features[:, path]
-                nxt = torch.tensor([new], dtype=torch.long, device=dev)
-                pend_h = feats if pend_h is None else torch.cat([pend_h, feats], dim=1)
-                pend_t = nxt if pend_t is None else torch.cat([pend_t, nxt], dim=1)
-            root = acc.bonus
-            before = len(tokens)
-            stop = self._emit(tokens, new, max_new_tokens)
-            rec.emitted = len(tokens) - before
-            if on_tokens:
-                on_tokens(tokens[before:])
-            rec.other_s = max(0.0, time.perf_counter() - t_cycle - rec.draft_s - rec.verify_s - rec.policy_s)
-            t0 = time.perf_counter()
-            ctl.end_cycle(rec)
-            rec.policy_s += time.perf_counter() - t0
-            result.cycles.append(rec)
-
+        stop = stop or run_cycles(src, ctl, prompt_ids, tokens, result.cycles, max_new_tokens, self.eos,
+                                  time.perf_counter, on_tokens)
         _sync(dev)
         result.wall_time_s = time.perf_counter() - t_start
         result.stop_reason = stop
         return result
 
-    def _emit(self, tokens: list[int], new: list[int], limit: int) -> str:
-        """Append ``new`` up to EOS (kept) or the token limit; return the stop reason or ''."""
-        for t in new:
-            tokens.append(t)
-            if t in self.eos:
-                return "eos"
-            if len(tokens) >= limit:
-                return "max_new_tokens"
-        return ""
+
+class _ModelSource(CycleSource):
+    """The engine's models as :func:`~adaptree.core.cycle.run_cycles`' source: drafts with the head, verifies
+    on the target, keeps both KV caches and the draft inputs not consumed yet; timings are wall-clock."""
+
+    warn_clamp = True  # once per engine
+
+    def __init__(self, engine: Engine) -> None:
+        self.target, self.head, self.max_len = engine.target, engine.head, engine.max_len
+        self.cache, self.draft_cache = engine.cache, engine.draft_cache
+
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingConfig, use_draft: bool, dev: torch.device) -> int:
+        """Run the prompt through the target (caches reset); return the first token (the first root)."""
+        self.sampling, self.use_draft, self.dev = sampling, use_draft, dev
+        self.gen = None if sampling.greedy else sampling.generator(dev)
+        prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
+        out = self.target(prompt, cache=self.cache, features=use_draft, logits_at=slice(-1, None))
+        root = self.root = sample_token(out.logits[0, -1], sampling, self.gen)
+        # draft inputs not consumed yet: (feature_t, token_t+1)
+        self.pend_h = out.features if use_draft else None
+        self.pend_t = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1) if use_draft else None
+        return root
+
+    def context_len(self) -> int:
+        return self.cache.length
+
+    def start_cycle(self) -> torch.Tensor | None:
+        return self.pend_h[0, -1] if self.use_draft else None
+
+    def draft(self, width: int, rec: CycleRecord) -> DraftStep:
+        t0 = time.perf_counter()
+        tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length)
+        step = tree.first_step(self.pend_h, self.pend_t)
+        self.pend_h = self.pend_t = None
+        _sync(self.dev)
+        rec.draft_s += time.perf_counter() - t0
+        return step
+
+    def draft_more(self, tree: DraftTree, rec: CycleRecord) -> DraftStep:
+        t0 = time.perf_counter()
+        step = tree.step()
+        _sync(self.dev)
+        rec.draft_s += time.perf_counter() - t0
+        return step
+
+    def verify(self, tree: DraftTree | None, v: int, rec: CycleRecord) -> tuple[int, list[int]]:
+        L = self.cache.length
+        if tree is not None:
+            vtree = tree.select(v)
+            tree.discard()
+        else:
+            vtree = root_only_tree(self.root, L, self.dev)
+        t0 = time.perf_counter()
+        out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
+                          tree_mask=vtree.mask if vtree.size else None, features=self.use_draft)
+        acc = verify(vtree, out.logits[0], self.sampling, self.gen)
+        _sync(self.dev)
+        rec.verify_s = time.perf_counter() - t0
+
+        path = acc.path
+        if acc.accepted == int(path[-1]):  # path is 0..k: the accepted nodes are already in place
+            self.cache.truncate(L + acc.accepted + 1)
+        else:
+            self.cache.compact(L, path)
+        new = vtree.tokens[path[1:]].tolist() + [acc.bonus]
+        if self.use_draft:
+            feats = out.features[:, path]
+            nxt = torch.tensor([new], dtype=torch.long, device=self.dev)
+            self.pend_h = feats if self.pend_h is None else torch.cat([self.pend_h, feats], dim=1)
+            self.pend_t = nxt if self.pend_t is None else torch.cat([self.pend_t, nxt], dim=1)
+        self.root = acc.bonus
+        return acc.accepted, new
+
+    def close(self, rec: CycleRecord, t_cycle: float) -> None:
+        rec.other_s = max(0.0, time.perf_counter() - t_cycle - rec.draft_s - rec.verify_s - rec.policy_s)

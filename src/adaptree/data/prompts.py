@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +85,14 @@ def load_dataset(name: str) -> list[Prompt]:
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; available: {', '.join(DATASETS)} (or --question-file PATH)")
     return DATASETS[name]()
+
+
+def load_prompt_sets(datasets: Sequence[str], question_file: str | Path | None = None,
+                     limit: int | None = None) -> list[tuple[str, list[Prompt]]]:
+    """``[(dataset name, its first ``limit`` prompts)]`` of every named dataset, then of ``question_file`` (named
+    after the file's dataset) when one is given."""
+    sets = [(name, load_dataset(name)[:limit]) for name in datasets if name]
+    if question_file:
+        qs = load_question_file(question_file)
+        sets.append((qs[0].dataset if qs else "questions", qs[:limit]))
+    return sets

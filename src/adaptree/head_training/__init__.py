@@ -6,24 +6,18 @@
   resumable.
 - :mod:`.ttt`: the training-time test (K unrolled draft steps seeing exactly what inference sees) and
   its loss.
-- :mod:`.head`: the typed config, the trainer (AdamW, warm-up + cosine, clipping, checkpoints,
+- :mod:`.trainer`: the typed config, the trainer (AdamW, warm-up + cosine, clipping, checkpoints,
   validation) and the whole pipeline :func:`train_head`.
 """
 
-from adaptree.head_training.corpus import (
-    ConversationItem,
-    TokenSequence,
-    batched_generate,
-    build_corpus,
-    read_corpus,
-    render_conversation,
-)
+from adaptree.head_training.corpus import (ConversationItem, TokenSequence, build_corpus, read_corpus,
+                                           render_conversation)
 from adaptree.head_training.features import FeatureStore, extract_features
 from adaptree.head_training.trainer import HeadTrainer, TrainHeadConfig, train_head
 from adaptree.head_training.ttt import collate, ttt_forward, ttt_loss
 
 __all__ = [
-    "ConversationItem", "TokenSequence", "batched_generate", "build_corpus", "read_corpus", "render_conversation",
+    "ConversationItem", "TokenSequence", "build_corpus", "read_corpus", "render_conversation",
     "FeatureStore", "extract_features", "HeadTrainer", "TrainHeadConfig", "train_head",
     "collate", "ttt_forward", "ttt_loss",
 ]

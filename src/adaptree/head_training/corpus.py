@@ -3,8 +3,8 @@
 Two sources (``TrainHeadConfig.source``):
 
 - ``"self"`` (self-distillation): the target answers the first user turn of each training prompt itself
-  (greedy, or sampled at ``gen_temperature``), in batches (:func:`batched_generate`: left padding and
-  per-row attention masks driven through our own :class:`~adaptree.models.llama.Transformer` layers).
+  (greedy, or sampled at ``gen_temperature``), in batches (:func:`~adaptree.core.batched.batched_decode`:
+  left padding and per-row attention masks through :class:`~adaptree.models.llama.Transformer`).
   The sequence is the chat-templated prompt followed by exactly the ids the target produced (its EOS
   included), so there is no re-tokenisation mismatch; the loss mask covers the generated ids. Batches
   are refilled as rows finish (a batch stops when half its rows are done and its unfinished rows are
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from adaptree.core.batched import batched_decode
 
 log = logging.getLogger(__name__)
 
@@ -219,86 +221,6 @@ def prompt_ids(tok, messages: Sequence[Message]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Batched generation on our Transformer
-# ------------------------------------------------------------------------------------------------
-
-
-def _forward_rows(target, ids: torch.Tensor, pos: torch.Tensor, cache, key_ok: torch.Tensor) -> torch.Tensor:
-    """Run ``ids [B, T]`` at positions ``pos [B, T]`` through the target's layers with a per-row key mask
-    (``key_ok [B, K]``: which cache slots each row may see, causal order added here); returns the last
-    position's logits ``[B, vocab]``. Same modules and weights as ``Transformer.forward``, which takes
-    only one mask for the whole batch."""
-    b, t = ids.shape
-    start = cache.length
-    cache.check_room(t)
-    k = start + t
-    causal = torch.ones(t, k, dtype=torch.bool, device=ids.device).tril_(start)
-    own = torch.zeros(t, k, dtype=torch.bool, device=ids.device)
-    own[:, start:].fill_diagonal_(True)  # a pad query sees itself: no empty row, so no NaN in the cache
-    mask = ((causal[None] & key_ok[:, None, :k]) | own[None])[:, None]  # [B, 1, T, K]
-    cos, sin = target.rotary(pos, target.dtype)
-    x = target.model.embed_tokens(ids)
-    for i, layer in enumerate(target.model.layers):
-        x = layer(x, cos, sin, cache, i, mask)
-    cache.length = k
-    return target.lm_head(target.model.norm(x[:, -1]))
-
-
-@torch.inference_mode()
-def batched_generate(target, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                     eos_token_ids: Iterable[int], temperature: float = 0.0,
-                     generator: torch.Generator | None = None, min_live: int = 1) -> list[list[int]]:
-    """Generate for a batch of prompts at once (left padding, per-row attention masks).
-
-    Greedy when ``temperature == 0``, else plain sampling at that temperature. A row stops after an EOS
-    (kept) or its ``max_new_tokens``; finished rows are dropped from the batch as they accumulate. With
-    ``min_live > 1`` the whole batch stops as soon as fewer rows than that are left (the caller continues
-    the unfinished ones in a fuller batch: a decode step costs nearly the same for 4 rows as for 64).
-    Returns the new ids of each prompt."""
-    dev = target.device
-    n = len(prompts)
-    limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    eos = set(int(e) for e in eos_token_ids)
-    lens = torch.tensor([len(p) for p in prompts], device=dev)
-    width = int(lens.max())
-    pad = width - lens
-    ids = torch.zeros(n, width, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-    cap = width + max(limits)
-    cache = target.new_cache(cap, batch=n)
-    slots = torch.arange(cap, device=dev)
-    key_ok = slots[None] >= pad[:, None]  # [B, cap]
-    pos = (torch.arange(width, device=dev)[None] - pad[:, None]).clamp_(min=0)
-    logits = _forward_rows(target, ids, pos, cache, key_ok)
-    rows = list(range(n))  # original index of each live row
-    outs: list[list[int]] = [[] for _ in range(n)]
-    next_pos = lens.clone()
-    while rows:
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        else:
-            nxt = logits.max(-1).indices
-        keep = []
-        for r, tok_id in enumerate(nxt.tolist()):
-            i = rows[r]
-            outs[i].append(tok_id)
-            if tok_id not in eos and len(outs[i]) < limits[i]:
-                keep.append(r)
-        if len(keep) < min_live:
-            break
-        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
-            sel = torch.tensor(keep, device=dev)
-            cache.k, cache.v = cache.k[:, sel], cache.v[:, sel]
-            key_ok, next_pos, nxt = key_ok[sel], next_pos[sel], nxt[sel]
-            rows = [rows[r] for r in keep]
-        logits = _forward_rows(target, nxt[:, None], next_pos[:, None], cache, key_ok)
-        next_pos = next_pos + 1
-    return outs
-
-
-# ------------------------------------------------------------------------------------------------
 # The corpus on disk
 # ------------------------------------------------------------------------------------------------
 
@@ -414,13 +336,14 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
             queue.sort(key=lambda e: len(e[1]) + len(e[2]))
             batch, queue = queue[:gen_batch_size], queue[gen_batch_size:]
             t0 = time.perf_counter()
-            outs = batched_generate(target, [p + g for _, p, g, _ in batch], [lim - len(g) for *_, g, lim in batch],
-                                    eos, gen_temperature, gen, min_live=max(1, len(batch) // 2) if queue else 1)
+            outs = batched_decode(target, [p + g for _, p, g, _ in batch], [lim - len(g) for *_, g, lim in batch],
+                                  eos, temperature=gen_temperature, generator=gen,
+                                  min_live=max(1, len(batch) // 2) if queue else 1)
             meta["generation_seconds"] += time.perf_counter() - t0
             for (it, p, g, lim), new in zip(batch, outs):
-                g = g + new
-                meta["generated_tokens"] += len(new)
-                if len(g) >= lim or (g and g[-1] in eos):
+                g = g + new.tokens
+                meta["generated_tokens"] += len(new.tokens)
+                if new.stop_reason:  # EOS, the row's limit (or the target's context limit)
                     done.append(TokenSequence(it.id, p + g, [0] * len(p) + [1] * len(g), it.split))
                 else:
                     queue.append((it, p, g, lim))
@@ -444,6 +367,6 @@ def corpus_stats(folder: str | os.PathLike) -> CorpusStats:
         extra={"splits": {sp: sum(1 for s in seqs if s.split == sp) for sp in ("train", "val")}})
 
 
-__all__ = ["ConversationItem", "TokenSequence", "CorpusStats", "batched_generate", "build_corpus",
+__all__ = ["ConversationItem", "TokenSequence", "CorpusStats", "build_corpus",
            "conversation_id", "corpus_stats", "drop_evaluation_prompts", "evaluation_texts", "prompt_ids",
            "read_corpus", "render_conversation", "sharegpt_items"]

@@ -5,8 +5,9 @@ Stages, each resumable, all under ``TrainHeadConfig.out``:
 1. ``corpus/``   token sequences with a response loss mask (:mod:`.corpus`): self-distilled or ShareGPT.
 2. ``features/`` the target's features, final hidden states and greedy tokens (:mod:`.features`).
 3. ``ckpt/``     training with the training-time test (:mod:`.ttt`), AdamW, warm-up + cosine decay,
-   gradient clipping, periodic validation, checkpoints (weights in safetensors, optimizer state with
-   ``torch.save``: run-folder only), ``train_log.jsonl``.
+   gradient clipping, periodic validation, checkpoints (weights, AdamW state and RNG states in safetensors,
+   :func:`adaptree.offline.runs.save_checkpoint`; older checkpoints with a ``trainer.pt`` still resume),
+   ``train_log.jsonl``.
 4. ``head/``     the exported head in the released EAGLE-3 layout (bf16, without embeddings), and
    ``training_summary.json`` (command, data, seed, wall times, validation acceptance, machine).
 
@@ -22,9 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -48,6 +47,7 @@ from adaptree.head_training.features import (
 )
 from adaptree.head_training.ttt import chain_lengths, collate, ttt_loss
 from adaptree.models.eagle3 import Eagle3Head
+from adaptree.offline import runs
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,7 @@ class TrainHeadConfig:
             self.val_prompts = max(8, self.num_prompts // 20)
 
     def run_fields(self) -> dict:
-        d = asdict(self)
-        return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in _RUN_FIELDS}
+        return runs.settings_of(self, only=_RUN_FIELDS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -212,38 +211,37 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def _head_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+LEGACY_TRAINER_FILE = "trainer.pt"
+"""Optimizer and RNG states of the checkpoints written before the shared format (``torch.save``)."""
 
 
 def save_checkpoint(folder: Path, head: Eagle3Head, opt, state: dict) -> None:
-    """Write ``folder`` atomically: build ``folder.tmp``, move the old one aside, rename, delete the old."""
-    from safetensors.torch import save_file
-
-    tmp = folder.with_name(folder.name + ".tmp")
-    old = folder.with_name(folder.name + ".old")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(_head_state(head), tmp / "weights.safetensors")
-    torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    if folder.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    if old.exists():
-        shutil.rmtree(old)
+    """Write ``folder`` atomically (:func:`adaptree.offline.runs.save_checkpoint`): the head's weights, the
+    AdamW state, the torch / Python / numpy RNG states and ``state``."""
+    runs.save_checkpoint(folder, head, state, opt, rng=True)
 
 
 def find_checkpoint(folder: Path) -> Path | None:
     """The last complete checkpoint (``ckpt``, or ``ckpt.old`` if a swap was interrupted)."""
-    for p in (folder, folder.with_name(folder.name + ".old")):
-        if (p / "state.json").is_file() and (p / "weights.safetensors").is_file() and (p / "trainer.pt").is_file():
-            return p
-    return None
+    found = runs.find_checkpoint(folder)
+    if found is None or not ((found / runs.OPTIMIZER_FILE).is_file() or (found / LEGACY_TRAINER_FILE).is_file()):
+        return None
+    return found
+
+
+def load_checkpoint(folder: Path, head: Eagle3Head, opt) -> dict:
+    """Restore a checkpoint of :func:`save_checkpoint` (or of its ``trainer.pt`` predecessor); returns its state."""
+    if (folder / runs.OPTIMIZER_FILE).is_file():
+        return runs.load_checkpoint(folder, head, opt)
+    from safetensors.torch import load_file
+
+    head.load_state_dict(load_file(folder / "weights.safetensors"), strict=True)
+    tr = torch.load(folder / LEGACY_TRAINER_FILE, map_location=next(head.parameters()).device, weights_only=False)
+    opt.load_state_dict(tr["optimizer"])
+    torch.set_rng_state(tr["torch_rng"])
+    random.setstate(tr["python_rng"])
+    np.random.set_state(tr["numpy_rng"])
+    return runs.checkpoint_state(folder)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -385,20 +383,11 @@ class HeadTrainer:
         step, epoch, pos, train_seconds = 0, 0, 0, 0.0
         history: list[dict] = []
         if found is not None:
-            state = json.loads((found / "state.json").read_text())
-            differ = {k: (state["run"].get(k), v) for k, v in cfg.run_fields().items() if state["run"].get(k) != v}
+            differ = runs.differing(runs.checkpoint_state(found)["run"], cfg.run_fields())
             if differ:
                 raise ValueError(f"--resume with settings that differ from the checkpoint's (checkpoint, now): "
                                  f"{differ}; rerun with the checkpoint's settings or start a new --out")
-            from safetensors.torch import load_file
-
-            sd = load_file(found / "weights.safetensors")
-            head.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, strict=True)
-            tr = torch.load(found / "trainer.pt", map_location=self.device, weights_only=False)
-            opt.load_state_dict(tr["optimizer"])
-            torch.set_rng_state(tr["torch_rng"])
-            random.setstate(tr["python_rng"])
-            np.random.set_state(tr["numpy_rng"])
+            state = load_checkpoint(found, head, opt)
             step, epoch, pos = state["step"], state["epoch"], state["pos"]
             train_seconds = state["train_seconds"]
             history = state.get("history", [])
@@ -486,8 +475,8 @@ class HeadTrainer:
 
 
 def load_target_for(cfg: TrainHeadConfig):
-    """The target by short name or path (``models.registry.load_model``), its tokenizer and its name."""
-    from adaptree.models.registry import load_model
+    """The target by short name or path (``models.load_model``), its tokenizer and its name."""
+    from adaptree.models import load_model
 
     target, tok = load_model(cfg.model, dtype=DTYPES[cfg.target_dtype])
     return target.to(cfg.device).eval(), tok, cfg.model or "default"
@@ -577,5 +566,5 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     return summary
 
 
-__all__ = ["HeadTrainer", "TrainHeadConfig", "find_checkpoint", "lr_factor", "make_batches", "save_checkpoint",
-           "train_head"]
+__all__ = ["HeadTrainer", "TrainHeadConfig", "find_checkpoint", "load_checkpoint", "lr_factor", "make_batches",
+           "save_checkpoint", "train_head"]

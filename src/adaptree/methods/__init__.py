@@ -16,7 +16,7 @@ that makes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
-           "MissingAssetError", "make_controller", "resolve_assets"]
+           "MissingAssetError", "make_controller", "resolve_assets", "controller_factories"]
 
 
 class MissingAssetError(FileNotFoundError, ValueError):
@@ -195,3 +195,24 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
     if entry.assets:
         options = resolve_assets(name, options, head_folder, model)
     return entry.build(options, tokenizer=tokenizer)
+
+
+def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None, *,
+                         head_folder: str | Path | None = None, model: str | None = None,
+                         tokenizer=None) -> dict[str, Callable[[], Controller]]:
+    """Method name -> a zero-argument builder of its controller with ``options[name]`` (:func:`make_controller`),
+    for replaying or benchmarking several methods. Each is built once here, so a bad option or a missing policy
+    fails before anything runs; an unknown or repeated name is a ValueError."""
+    out: dict[str, Callable[[], Controller]] = {}
+    for name in names:
+        method(name)
+        if name in out:
+            raise ValueError(f"method {name!r} is listed twice")
+        opts = dict((options or {}).get(name, {}))
+
+        def build(name: str = name, opts: dict = opts) -> Controller:
+            return make_controller(name, head_folder=head_folder, model=model, tokenizer=tokenizer, **opts)
+
+        build()
+        out[name] = build
+    return out

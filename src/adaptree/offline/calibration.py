@@ -121,7 +121,7 @@ def live_cycles(engine, prompts: Sequence[Sequence[int]], shapes: Sequence[tuple
     (:class:`~adaptree.records.CycleRecord` fields plus ``shape`` and ``prompt`` index)."""
     from tqdm import tqdm
 
-    from adaptree.methods import (
+    from adaptree.core.controller import (
         AutoregressiveController,
         StaticConfig,
         StaticController,
@@ -295,3 +295,45 @@ def config_dict(cfg: CalibrationConfig) -> dict:
     d = asdict(cfg)
     d["shapes"] = [list(s) for s in cfg.shapes]
     return d
+
+
+def calibrate_pipeline(pipeline, prompts: Sequence, cfg: CalibrationConfig, out, *, chat: bool | None = None,
+                       command: str | None = None, progress: bool = False) -> tuple[CalibrationResult, list]:
+    """Calibrate a loaded :class:`~adaptree.api.Pipeline` (:func:`run_calibration` on its engine, validated on the
+    first user turn of each :class:`~adaptree.data.prompts.Prompt`), save the chosen model at ``out`` with what it
+    was measured with in its ``meta`` (model, head, dtype, torch, fingerprints, config, prompts, ``command``) and
+    every live cycle with each candidate's prediction next to it (``<stem>.validation.json``).
+
+    Returns the result and the paths written.
+    """
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from adaptree.offline.recording import require_head, use_chat
+    from adaptree.offline.traces import head_fingerprint, model_fingerprint
+
+    require_head(pipeline, "calibrating")
+    chat = use_chat(pipeline, chat)
+    ids = [pipeline.encode(p.turns[0], chat) for p in prompts]
+    if cfg.shapes and not ids:
+        raise ValueError("validation needs prompts: give --datasets or --question-file (or --validate '' to skip)")
+    target, head = pipeline.target, pipeline.head
+    res = run_calibration(target, head, pipeline.engine, ids, cfg, progress=progress)
+    res.model.meta.update(model=pipeline.model_label, head=pipeline.head_label,
+                          dtype=str(target.dtype).removeprefix("torch."), torch=torch.__version__,
+                          model_sha256=model_fingerprint(target), head_sha256=head_fingerprint(head),
+                          config=config_dict(cfg), prompts=len(ids), command=command)
+    out = Path(out)
+    res.model.save(out)
+    written = [out]
+    if res.records:
+        vpath = out.with_name(out.stem + ".validation.json")
+        cands = {"micro": res.micro, **({"live": res.live} if res.live is not None else {})}
+        rows = [{**r, **{f"{k}_pred": predicted(c, r) for k, c in cands.items()}} for r in res.records]
+        vpath.write_text(json.dumps({"summary": res.validation, "micro": res.micro.to_dict(),
+                                     "live": res.live.to_dict() if res.live is not None else None,
+                                     "cycles": rows}, indent=1) + "\n")
+        written.append(vpath)
+    return res, written

@@ -184,18 +184,6 @@ class LatencyModel:
             return cls.from_dict(json.load(f))
 
 
-def _isotonic(y: np.ndarray) -> np.ndarray:
-    """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for x in map(float, y):
-        blocks.append([x, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, c2 = blocks.pop()
-            m1, c1 = blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    return np.concatenate([np.full(int(c), m) for m, c in blocks])
-
-
 def _knot_fit(n: np.ndarray, L: np.ndarray, t: np.ndarray) -> tuple[list[int], list[float]]:
     """Per sampled row count N: a least-squares line in L. The lines' values at the smallest and largest
     sampled L are then each made non-decreasing in N (isotonic regression; two lines ordered at both ends
@@ -215,7 +203,9 @@ def _knot_fit(n: np.ndarray, L: np.ndarray, t: np.ndarray) -> tuple[list[int], l
         slope, icpt = np.polyfit(L[sel], t[sel], 1)
         at_lo.append(icpt + slope * lo)
         at_hi.append(icpt + slope * hi)
-    at_lo, at_hi = _isotonic(np.asarray(at_lo)), _isotonic(np.asarray(at_hi))
+    from scipy.optimize import isotonic_regression  # least-squares non-decreasing fit (PAVA)
+
+    at_lo, at_hi = (isotonic_regression(np.asarray(v, dtype=float)).x for v in (at_lo, at_hi))
     slope = (at_hi - at_lo) / (hi - lo)
     coef = np.stack([at_lo - slope * lo, slope], axis=1).reshape(-1)
     return knots, coef.tolist()
@@ -265,6 +255,16 @@ def load_checked(path: str | os.PathLike, quiet: bool = False) -> LatencyModel:
         for msg in check_machine(model):
             print(f"adaptree: warning: {path}: {msg}", file=sys.stderr)
     return model
+
+
+def require_latency(path: str | os.PathLike | None) -> LatencyModel:
+    """The latency model a trainer needs (:func:`load_checked`); an error naming the command that makes one when
+    there is none."""
+    if not path:
+        raise ValueError("pass --latency FILE: the latency model of this machine (`adaptree calibrate`)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"latency model {str(path)!r} does not exist; make one with `adaptree calibrate`")
+    return load_checked(path)
 
 
 def _time(fn, repeats: int, sync) -> float:

@@ -46,8 +46,8 @@ with every node)."""
 
 def terminal_position(trace: PromptTrace, max_new_tokens: int | None = None) -> int:
     """The first root position at which the simulator (and the engine) stops: every run of the trace
-    emits ``T + 1`` tokens and runs cycles from roots ``j < T``. Mirrors ``simulate_one``'s ``_emit``
-    (EOS kept, the token limit) and its context check (``room = max_len - n - j < 1``)."""
+    emits ``T + 1`` tokens and runs cycles from roots ``j < T``. Mirrors :func:`~adaptree.core.cycle.emit`
+    (EOS kept, the token limit) and the loop's context check (``room = max_len - n - j < 1``)."""
     s = trace.settings
     limit = s.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
     if not 1 <= limit <= s.max_new_tokens:
@@ -106,7 +106,7 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
     pos = np.arange(T)
     L = (n + pos).astype(np.float64)
     room = trace.max_len - n - pos  # >= 1 for j < T
-    forced_ar = room <= 1  # the engine drafts nothing there (simulate_one: room > 1)
+    forced_ar = room <= 1  # the engine drafts nothing there (run_cycles: room > 1)
     ar_cost = lat.verify_times(0, L) + lat.other_s
 
     def verify(v: np.ndarray) -> np.ndarray:
@@ -384,7 +384,7 @@ def compare_methods(traces: Sequence[PromptTrace], latency: LatencyModel,
     """
     from tqdm import tqdm
 
-    from adaptree.methods import StaticConfig, StaticController
+    from adaptree.core.controller import StaticConfig, StaticController
     from adaptree.offline.simulator import simulate
 
     traces = list(traces)
@@ -425,3 +425,35 @@ def format_table(result: dict) -> str:
                      f"{(f'{size:.1f}' if size is not None else '-'):>6} "
                      f"{(f'{frac:.3f}' if frac is not None else '-'):>18}")
     return "\n".join(lines)
+
+
+def compare_on_traces(traces: str, latency: str, methods: Mapping[str, Callable[[], Controller]], *,
+                      oracle_sizes: Sequence[int] | str = DEFAULT_SIZES, static_sizes: Sequence[int] = DEFAULT_SIZES,
+                      max_new_tokens: int | None = None, measure_policy: bool = False, progress: bool = False) -> dict:
+    """:func:`compare_methods` on the trace folder ``traces`` with the latency model file ``latency`` (a warning
+    when it was measured on another machine), plus a ``setup`` entry saying what was compared: the folders, the
+    oracle's and the static grid's V sets, the recorded widths and depth, the token limit, the trace and latency
+    fingerprints and the machine warnings. Every number is modelled."""
+    from adaptree.offline.latency import check_machine, load_checked
+    from adaptree.offline.traces import TraceStore
+
+    if isinstance(static_sizes, str):
+        raise ValueError("--static-sizes must be an explicit list (or 'default'): a static tree has one V")
+    store = TraceStore(traces)
+    loaded = store.load_all()
+    if not loaded:
+        raise ValueError(f"no traces in {traces}")
+    lat = load_checked(latency)
+    res = compare_methods(loaded, lat, methods, oracle_sizes=oracle_sizes, static_sizes=static_sizes,
+                          max_new_tokens=max_new_tokens, measure_policy=measure_policy, progress=progress)
+    s = store.settings
+    res["setup"] = {
+        "traces": str(traces), "prompts": len(loaded), "latency": str(latency),
+        "oracle_sizes": oracle_sizes if oracle_sizes == "all" else list(oracle_sizes),
+        "static_sizes": list(static_sizes), "widths": list(s.widths), "max_depth": s.max_depth,
+        "max_new_tokens": max_new_tokens or s.max_new_tokens, "policy_time": measure_policy,
+        "trace_fingerprints": store.fingerprints, "latency_meta": {k: lat.meta.get(k) for k in (
+            "machine", "dtype", "source", "model", "model_sha256", "head_sha256") if k in lat.meta},
+        "machine_warnings": check_machine(lat),
+        "note": "every number is modelled: the methods replayed over greedy traces with the latency model, not timed"}
+    return res

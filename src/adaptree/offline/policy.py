@@ -3,7 +3,8 @@
 Training uses Stable-Baselines3 PPO (whose checkpoints are zip files of pickles: they stay in run
 folders). What ships is the extracted actor, a plain torch MLP, in a folder with ``config.json``
 (:class:`MLPPolicyConfig`; unknown fields refused) and ``model.safetensors`` (loaded strictly: a missing,
-unexpected or mis-shaped tensor is an error that names it). No SB3 import on the inference path.
+unexpected or mis-shaped tensor is an error that names it). No SB3 import on the inference path. The folder
+format (:func:`save_policy`, :func:`load_policy`, :func:`load_strict`) is shared with RADAR's LSTM policy.
 
 The network is ``Linear -> act -> ... -> Linear`` (SB3's ``mlp_extractor.policy_net`` followed by its
 ``action_net``), giving one logit per discrete action; :meth:`MLPPolicy.act` takes the argmax
@@ -14,16 +15,69 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from adaptree.methods.radar.policy import load_strict
+from adaptree.offline.runs import dataclass_from_dict, save_tensors, write_json
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+# ---- the folder format ------------------------------------------------------------------------------
+
+
+def load_strict(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """``model.load_state_dict`` that names the first missing, unexpected or mis-shaped key."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected)")
+    for k, v in own.items():
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            raise ValueError(f"{where}: tensor {k!r} has shape {tuple(tensors[k].shape)}, the config needs "
+                             f"{tuple(v.shape)}")
+    model.load_state_dict(tensors, strict=True)
+
+
+def save_policy(folder: str | os.PathLike, model: nn.Module, config: dict, training: dict | None = None,
+                sort_keys: bool = False) -> Path:
+    """Write a policy folder: ``config.json`` (``config``, plus ``training`` facts under ``training``) and
+    ``model.safetensors`` (the state dict in float32), each atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(config)
+    if training:
+        cfg["training"] = training
+    save_tensors({k: v.float() for k, v in model.state_dict().items()}, folder / WEIGHTS_NAME,
+                 metadata={"format": "pt"})
+    write_json(cfg, folder / CONFIG_NAME, sort_keys=sort_keys)
+    return folder
+
+
+def load_policy(folder: str | os.PathLike, build: Callable[[dict], nn.Module], what: str = "policy") -> nn.Module:
+    """Load a folder written by :func:`save_policy`: ``build(config dict)`` makes the module (and refuses a
+    config it cannot take), whose weights are then loaded strictly (:func:`load_strict`); in eval mode."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"{what} file {str(p)!r} does not exist")
+    model = build(json.loads(cfg_path.read_text()))
+    load_strict(model, load_file(str(w_path)), str(w_path))
+    return model.eval()
+
+
+# ---- the MLP policy ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -59,11 +113,7 @@ class MLPPolicyConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MLPPolicyConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known - {"version", "training"})
-        if unknown:
-            raise ValueError(f"unknown policy config fields {unknown}; known: {sorted(known)}")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return dataclass_from_dict(cls, d, "policy", allowed=("version", "training"))
 
 
 class MLPPolicy(nn.Module):
@@ -136,37 +186,19 @@ class MLPPolicy(nn.Module):
 
     def save(self, folder: str | os.PathLike, training: dict | None = None) -> Path:
         """Write ``config.json`` (the config, plus ``training`` facts) and ``model.safetensors``."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = {"version": 1, **asdict(self.config)}
-        if training:
-            cfg["training"] = training
-        tensors = {k: v.detach().cpu().float().contiguous() for k, v in self.state_dict().items()}
-        tmp = folder / (WEIGHTS_NAME + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, folder / WEIGHTS_NAME)
-        (folder / (CONFIG_NAME + ".tmp")).write_text(json.dumps(cfg, indent=2) + "\n")
-        os.replace(folder / (CONFIG_NAME + ".tmp"), folder / CONFIG_NAME)
-        return folder
+        return save_policy(folder, self, {"version": 1, **asdict(self.config)}, training)
 
     @classmethod
     def load(cls, folder: str | os.PathLike, kind: str | None = None) -> "MLPPolicy":
         """Load a folder written by :meth:`save`, strictly; ``kind`` (if given) must match the config's."""
-        from safetensors.torch import load_file
 
-        folder = Path(folder)
-        cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-        for p in (cfg_path, w_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"policy file {str(p)!r} does not exist")
-        config = MLPPolicyConfig.from_dict(json.loads(cfg_path.read_text()))
-        if kind is not None and config.kind != kind:
-            raise ValueError(f"{str(folder)!r} holds a {config.kind!r} policy, a {kind!r} policy is needed")
-        model = cls(config)
-        load_strict(model, load_file(str(w_path)), str(w_path))
-        return model.eval()
+        def build(d: dict) -> "MLPPolicy":
+            config = MLPPolicyConfig.from_dict(d)
+            if kind is not None and config.kind != kind:
+                raise ValueError(f"{str(folder)!r} holds a {config.kind!r} policy, a {kind!r} policy is needed")
+            return cls(config)
+
+        return load_policy(folder, build)
 
 
 def training_facts(folder: str | os.PathLike) -> dict:

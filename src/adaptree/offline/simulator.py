@@ -1,14 +1,15 @@
 """Replay any controller over greedy traces, exactly as the engine would run it.
 
-:func:`simulate` mirrors :meth:`adaptree.engine.Engine.generate` cycle for cycle: the same controller
-calls in the same order (``reset``, ``begin_cycle`` -> ``TreePlan``, ``continue_drafting(DraftStep)``
-after each level while ``depth < plan.max_depth``, ``choose_size(tree, plan)``, ``end_cycle(record)``),
-the same clamps (V to the candidates and to the context room), the same stop rules (EOS kept,
-``max_new_tokens``, the context limit). The draft head is never run: a :class:`ReplayTree` (a
-:class:`~adaptree.tree.DraftTree` whose levels come from the trace) gives the controller the live
-API, and the accepted length follows from the recorded greedy continuation.
+:func:`simulate` runs the engine's own cycle loop, :func:`adaptree.core.cycle.run_cycles`, over a
+recorded trace instead of the models: the same controller calls in the same order (``reset``,
+``begin_cycle`` -> ``TreePlan``, ``continue_drafting(DraftStep)`` after each level while
+``depth < plan.max_depth``, ``choose_size(tree, plan)``, ``end_cycle(record)``), the same clamps (V to
+the candidates and to the context room), the same stop rules (EOS kept, ``max_new_tokens``, the context
+limit). The draft head is never run: a :class:`ReplayTree` (a :class:`~adaptree.core.tree.DraftTree`
+whose levels come from the trace) gives the controller the live API, and the accepted length follows
+from the recorded greedy continuation.
 
-Cycle timings come from a :class:`~adaptree.rl.latency.LatencyModel` when one is given (else 0);
+Cycle timings come from a :class:`~adaptree.offline.latency.LatencyModel` when one is given (else 0);
 the controller's own time is measured (``policy_s``) unless ``measure_policy=False``.
 """
 
@@ -23,7 +24,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from adaptree.core.controller import Controller, CycleContext
+from adaptree.core.controller import Controller
+from adaptree.core.cycle import CycleSource, emit, run_cycles
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.offline.latency import LatencyModel
@@ -176,15 +178,56 @@ class SimResult(RunTotals):
                 "policy_s": sum(c.policy_s for c in cyc)}
 
 
-def _emit(tokens: list[int], new: list[int], limit: int, eos: frozenset[int]) -> str:
-    """Engine._emit: append up to EOS (kept) or the token limit; the stop reason or ''."""
-    for t in new:
-        tokens.append(t)
-        if t in eos:
-            return "eos"
-        if len(tokens) >= limit:
-            return "max_new_tokens"
-    return ""
+class _ReplaySource(CycleSource):
+    """One prompt's trace as :func:`~adaptree.core.cycle.run_cycles`' source: the root is output position
+    ``j``, a tree is a :class:`ReplayTree`, the accepted length follows from the recorded greedy
+    continuation, and the cycle's seconds come from the latency model (0 without one)."""
+
+    def __init__(self, trace: PromptTrace, use_draft: bool, latency_model: LatencyModel | None) -> None:
+        self.trace, self.lat = trace, latency_model
+        self.max_len, self.n = trace.max_len, trace.prompt_len
+        self.y = trace.output.tolist()
+        self.feats = torch.from_numpy(trace.features) if (use_draft and trace.features is not None) else None
+        self.matches: dict[int, np.ndarray] = {}
+        self.j = 0  # index of the cycle's root in y
+
+    def context_len(self) -> int:
+        return self.n + self.j
+
+    def start_cycle(self) -> torch.Tensor | None:
+        trace, j = self.trace, self.j
+        if j >= trace.end:
+            raise RuntimeError(f"trace {trace.key!r}: root {j} is past the recorded {trace.end} positions")
+        return None if self.feats is None else self.feats[j].float()
+
+    def draft(self, width: int, rec: CycleRecord) -> DraftStep:
+        j = self.j
+        self.wt = self.trace.width(width)
+        return ReplayTree(self.wt, j, self.y[j], self.n + j).first_step()
+
+    def draft_more(self, tree: DraftTree, rec: CycleRecord) -> DraftStep:
+        return tree.step()
+
+    def verify(self, tree: DraftTree | None, v: int, rec: CycleRecord) -> tuple[int, list[int]]:
+        trace, j = self.trace, self.j
+        acc = 0
+        if v > 0:  # a tree was drafted this cycle, from self.wt
+            wt = self.wt
+            if wt.width not in self.matches:
+                self.matches[wt.width] = match_mask(wt, trace.output, np.arange(trace.end))
+            acc = _accepted(wt, j, tree.depth, v, self.matches[wt.width][j], tree)
+        new = self.y[j + 1:j + acc + 2]
+        if len(new) != acc + 1:
+            raise RuntimeError(f"trace {trace.key!r}: the recorded output ends before position {j + acc + 1}")
+        self.j = j + acc + 1
+        return acc, new
+
+    def close(self, rec: CycleRecord, t_cycle: float) -> None:
+        lat = self.lat
+        if lat is not None:
+            rec.draft_s = lat.draft_time(rec.width, rec.depth, rec.context_len)
+            rec.verify_s = lat.verify_time(rec.size, rec.context_len)
+            rec.other_s = lat.other_s
 
 
 def simulate_one(controller: Controller, trace: PromptTrace, latency_model: LatencyModel | None = None,
@@ -196,78 +239,21 @@ def simulate_one(controller: Controller, trace: PromptTrace, latency_model: Late
     if not 1 <= limit <= s.max_new_tokens:
         raise ValueError(f"max_new_tokens must be in 1..{s.max_new_tokens} (the trace's), got {limit}")
     eos = frozenset(s.eos_token_ids)
-    y = trace.output.tolist()
+    src = _ReplaySource(trace, ctl.uses_draft, lat)
     n = trace.prompt_len
-    prompt = trace.prompt.tolist()
-    clock = time.perf_counter if measure_policy else (lambda: 0.0)
-    use_draft = ctl.uses_draft
-    feats = torch.from_numpy(trace.features) if (use_draft and trace.features is not None) else None
-    matches: dict[int, np.ndarray] = {}
-
     ctl.reset()
     run = SimRun(trace.key, n, [])
     tokens = run.token_ids
-    stop = _emit(tokens, [y[0]], limit, eos)
-    j = 0  # index of the cycle's root in y
-    while not stop:
-        L = n + j
-        room = trace.max_len - L
-        if room < 1:
-            stop = "context_limit"
-            break
-        if j >= trace.end:
-            raise RuntimeError(f"trace {trace.key!r}: root {j} is past the recorded {trace.end} positions")
-        rec = CycleRecord(cycle=len(run.cycles), context_len=L, width=0, depth=0, size=0, candidates=0,
-                          accepted=0, emitted=0)
-        ctx = CycleContext(rec.cycle, L, len(tokens), None if feats is None else feats[j].float(), prompt, tokens)
-        t0 = clock()
-        plan = ctl.begin_cycle(ctx)
-        rec.policy_s += clock() - t0
-        rec.width = plan.width
-        acc = 0
-        if use_draft and plan.max_depth > 0 and room > 1:
-            wt = trace.width(plan.width)
-            tree = ReplayTree(wt, j, y[j], L)
-            step = tree.first_step()
-            while tree.depth < plan.max_depth:
-                t0 = clock()
-                go_on = ctl.continue_drafting(step)
-                rec.policy_s += clock() - t0
-                if not go_on:
-                    break
-                step = tree.step()
-            t0 = clock()
-            v = int(ctl.choose_size(tree, plan))
-            rec.policy_s += clock() - t0
-            if v < 0:
-                raise ValueError(f"controller {ctl.name!r} chose a negative verification size V={v}")
-            rec.depth, rec.candidates = tree.depth, tree.num_candidates
-            v = min(v, tree.num_candidates, room - 1)
-            if v > 0:
-                if plan.width not in matches:
-                    matches[plan.width] = match_mask(wt, trace.output, np.arange(trace.end))
-                acc = _accepted(wt, j, tree.depth, v, matches[plan.width][j], tree)
-            rec.size = v
-        rec.accepted = acc
-        new = y[j + 1:j + acc + 2]
-        if len(new) != acc + 1:
-            raise RuntimeError(f"trace {trace.key!r}: the recorded output ends before position {j + acc + 1}")
-        before = len(tokens)
-        stop = _emit(tokens, new, limit, eos)
-        rec.emitted = len(tokens) - before
-        if lat is not None:
-            rec.draft_s = lat.draft_time(rec.width, rec.depth, L)
-            rec.verify_s = lat.verify_time(rec.size, L)
-            rec.other_s = lat.other_s
-        t0 = clock()
-        ctl.end_cycle(rec)
-        rec.policy_s += clock() - t0
-        run.cycles.append(rec)
-        j += acc + 1
-    run.stop_reason = stop
+    run.stop_reason = emit(tokens, [src.y[0]], limit, eos) or run_cycles(
+        src, ctl, trace.prompt.tolist(), tokens, run.cycles, limit, eos,
+        time.perf_counter if measure_policy else _no_clock)
     if lat is not None:
         run.ar_s = sum(lat.verify_time(0, n + i) + lat.other_s for i in range(len(tokens) - 1))
     return run
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def _accepted(wt: WidthTrace, j: int, depth: int, v: int, match: np.ndarray, tree: ReplayTree) -> int:

@@ -14,9 +14,9 @@ sub-tree follows from the recorded continuation. :func:`record_trace` records, f
   ``CycleContext.features``), float16 by default.
 
 How it is computed: the greedy output (one autoregressive run on the :class:`~adaptree.engine.Engine`
-plus the look-ahead; a :class:`TraceStore` computes 8 prompts' at once with :func:`greedy_outputs`),
-one target forward over the whole sequence for the features, one draft-head prefill over
-the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
+plus the look-ahead; a :class:`TraceStore` computes 8 prompts' at once with
+:func:`~adaptree.core.batched.batched_decode`), one target forward over the whole sequence for the
+features, one draft-head prefill over the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
 level for all of them, each root's nodes masked to its own context and ancestors). The live engine
 feeds the head in chunks (one per accepted path), one tree at a time, and takes the features from its
 tree-verification forwards, so the recorded scores can differ from a live run's in the last float bits
@@ -31,21 +31,30 @@ the emitted length. Tensors: ``prompt`` int32 [n], ``output`` int32 [M], ``featu
 ``w{W}.scores`` float32 [end, C], ``w{W}.beam`` int16 [end, max_depth, W], ``w{W}.entropy`` float32
 [end, max_depth, W] (per-row draft entropies, where the tree code exposes them) with
 C = W + (max_depth - 1) * W * W. A :class:`TraceStore` is a folder of such files plus
-``manifest.json``; recording into it resumes and refuses a different model, head or settings.
+``manifest.json`` (a :class:`~adaptree.offline.store.FingerprintedStore`); recording into it resumes and
+refuses a different model, head or settings.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from adaptree.core.batched import batched_decode
+from adaptree.offline.store import (
+    FingerprintedStore,
+    StoreFormat,
+    StoreSettings,
+    head_fingerprint,
+    model_fingerprint,
+    read_record,
+    write_record,
+)
 
 TRACE_VERSION = 1
 META_KEY = "adaptree_trace"
@@ -58,7 +67,7 @@ FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32, "none": None}
 
 
 @dataclass(frozen=True)
-class TraceSettings:
+class TraceSettings(StoreSettings):
     """What a trace is recorded with; part of its fingerprint."""
 
     widths: tuple[int, ...] = (10,)
@@ -92,50 +101,14 @@ class TraceSettings:
         object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
         object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["widths"] = list(self.widths)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["extra"] = dict(self.extra)
-        return d
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "TraceSettings":
-        d = dict(d)
-        d["widths"] = tuple(d["widths"])
-        d["eos_token_ids"] = tuple(d["eos_token_ids"])
-        d["extra"] = tuple(dict(d.get("extra") or {}).items())
-        return cls(**d)
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
-
-
-def _hash_state(h, module: torch.nn.Module, skip: Iterable[str] = ()) -> None:
-    skip = set(skip)
-    for name, t in sorted(module.state_dict().items()):
-        if name in skip:
-            continue
-        t = t.detach().to("cpu").contiguous().reshape(-1)
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-
-
-def model_fingerprint(target: torch.nn.Module) -> str:
-    """sha256 of a target's configuration and weights (dtype included: bf16 and fp32 traces differ)."""
-    h = hashlib.sha256(b"adaptree-target|")
-    h.update(repr(target.config).encode())
-    _hash_state(h, target)
-    return h.hexdigest()
-
-
-def head_fingerprint(head: torch.nn.Module) -> str:
-    """sha256 of a draft head's configuration and weights (own embeddings included, borrowed ones not:
-    those are the target's, covered by :func:`model_fingerprint`)."""
-    h = hashlib.sha256(b"adaptree-head|")
-    h.update(repr(head.config).encode())
-    _hash_state(h, head)
-    return h.hexdigest()
+TRACE_FORMAT = StoreFormat(
+    META_KEY, TRACE_VERSION, TraceSettings, record="trace", folder="trace folder",
+    labels={"model": "target model", "head": "draft head", "settings": "trace settings"},
+    remedy="record traces for this {what} into another folder")
+"""Trace files and folders (:mod:`adaptree.offline.store`); their fingerprints: ``model``
+(:func:`~adaptree.offline.store.model_fingerprint`), ``head`` (:func:`~adaptree.offline.store.head_fingerprint`),
+``settings`` (:meth:`TraceSettings.fingerprint`)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,72 +295,6 @@ def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: in
 
 
 @torch.inference_mode()
-def greedy_outputs(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Sequence[int] = (),
-                   max_len: int | None = None, lookahead: int = 0) -> list[tuple[list[int], int, str]]:
-    """The engine's greedy autoregressive output of several prompts at once: per prompt ``(tokens, end,
-    stop_reason)`` with ``tokens[:end]`` what :meth:`Engine.generate <adaptree.engine.Engine.generate>`
-    emits (EOS kept; stops ``eos``, ``max_new_tokens``, ``context_limit`` as there) followed by up to
-    ``lookahead`` more tokens (no EOS stop; :func:`record_trace`'s look-ahead).
-
-    The prompts are left-padded into one batch (padding masked out of every row's attention, true
-    positions for the rotary embedding), so one target forward per token serves all of them: on a
-    CPU a batch-1 step reads every weight for one token, and a batch of 8 costs little more.
-    Batch shapes round differently from batch 1, so on a near-tie a row could take the other token
-    than the engine would; ``record_trace`` counts the tokens its full forward disagrees with.
-    """
-    from adaptree.core.verify import greedy_tokens
-
-    max_len = min(max_len or target.max_seq_len, target.max_seq_len)
-    eos = set(int(t) for t in eos_token_ids)
-    lens = [len(p) for p in prompts]
-    if not prompts or min(lens) == 0:
-        raise ValueError("every prompt needs at least one token")
-    if max(lens) >= max_len:
-        raise ValueError(f"a prompt has {max(lens)} tokens; the context limit is {max_len}, leaving no room")
-    b, width, dev = len(prompts), max(lens), target.device
-    # A row may emit min(max_new_tokens, max_len - n + 1) tokens, then look ahead while the context has room.
-    limit = [min(max_new_tokens, max_len - n + 1) for n in lens]
-    steps = max(min(max_new_tokens + lookahead, max_len - n + 1) for n in lens)
-    pad = torch.tensor([width - n for n in lens], device=dev)
-    ids = torch.zeros(b, width, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor([int(t) for t in p], device=dev)
-    slots = torch.arange(width, device=dev)
-    visible = slots[None] >= pad[:, None]  # [B, K]: key slots holding a real token
-    mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril_() & visible[:, None, :]
-    mask |= torch.eye(width, dtype=torch.bool, device=dev)  # padding rows see themselves (no NaN rows)
-    cache = target.new_cache(width + steps, batch=b)
-    out = target(ids, position_ids=(slots[None] - pad[:, None]).clamp_(min=0), cache=cache, tree_mask=mask,
-                 logits_at=slice(-1, None))
-    tokens: list[list[int]] = [[] for _ in prompts]
-    ends: list[int | None] = [None] * b
-    stops = [""] * b
-    want = [steps] * b  # tokens each row needs (known once its end is)
-    next_pos = torch.tensor(lens, device=dev)
-    for _ in range(steps):
-        tok = greedy_tokens(out.logits[:, -1])
-        for i, t in enumerate(tok.tolist()):
-            if len(tokens[i]) >= want[i]:
-                continue
-            tokens[i].append(t)
-            if ends[i] is None:
-                k = len(tokens[i])
-                stop = "eos" if t in eos else "max_new_tokens" if k >= max_new_tokens else \
-                    "context_limit" if k >= limit[i] else ""
-                if stop:
-                    ends[i], stops[i] = k, stop
-                    room = lens[i] + k < max_len
-                    want[i] = k + (min(lookahead, max_len - lens[i] - k + 1) if room else 0)
-        if all(len(t) >= w for t, w in zip(tokens, want)):
-            break
-        visible = torch.cat([visible, torch.ones(b, 1, dtype=torch.bool, device=dev)], dim=1)
-        pos = next_pos.clamp(max=max_len - 1)[:, None]  # rows already done run on, their tokens unused
-        out = target(tok[:, None], position_ids=pos, cache=cache, tree_mask=visible[:, None, :])
-        next_pos += 1
-    return [(t[:w], int(e), s) for t, w, e, s in zip(tokens, want, ends, stops)]
-
-
-@torch.inference_mode()
 def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end: int, width: int, max_depth: int,
                batch: int = 16) -> WidthTrace:
     """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
@@ -428,6 +335,7 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
         # Key slots after the committed context: the b pending pairs, then the tree levels as written.
         see_pairs = torch.ones(b, b, dtype=torch.bool, device=dev).tril_().repeat_interleave(w, dim=0)
         anc = torch.zeros(b * w, 0, dtype=torch.bool, device=dev)
+        mask = see_pairs  # the previous level's mask (read from level 2 on)
         sl = slice(j0, j0 + b)
         for d in range(1, max_depth + 1):
             start, level = level_offset(w, d), tok.reshape(b, -1)  # W (level 1) or W*W children per root
@@ -464,7 +372,7 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     :param batch: roots whose trees are grown together (:func:`grow_trees`); the trace does not depend on it
         beyond the last float bits.
     :param output: the greedy output already computed (``(tokens with look-ahead, end, stop_reason)``, one
-        item of :func:`greedy_outputs`); the engine run is skipped.
+        item of :func:`~adaptree.core.batched.batched_decode`); the engine run is skipped.
     """
     from adaptree.core.engine import Engine
 
@@ -525,61 +433,29 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
 # --------------------------------------------------------------------------------------------------
 
 
-def save_trace(trace: PromptTrace, path: str | os.PathLike) -> None:
-    """Write one prompt's trace as safetensors (atomically: a temporary file renamed into place)."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def trace_arrays(trace: PromptTrace) -> dict[str, np.ndarray]:
+    """The tensors of a trace file (see the module docstring)."""
     tensors = {"prompt": trace.prompt.astype(np.int32), "output": trace.output.astype(np.int32)}
     if trace.features is not None:
-        tensors["features"] = np.ascontiguousarray(trace.features)
+        tensors["features"] = trace.features
     for w, wt in trace.widths.items():
-        tensors[f"w{w}.tokens"] = np.ascontiguousarray(wt.tokens.astype(np.int32))
-        tensors[f"w{w}.scores"] = np.ascontiguousarray(wt.scores.astype(np.float32))
-        tensors[f"w{w}.beam"] = np.ascontiguousarray(wt.beam.astype(np.int16))
+        tensors[f"w{w}.tokens"] = wt.tokens.astype(np.int32)
+        tensors[f"w{w}.scores"] = wt.scores.astype(np.float32)
+        tensors[f"w{w}.beam"] = wt.beam.astype(np.int16)
         if wt.entropy is not None:
-            tensors[f"w{w}.entropy"] = np.ascontiguousarray(wt.entropy.astype(np.float32))
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(trace.header(), sort_keys=True)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            tensors[f"w{w}.entropy"] = wt.entropy.astype(np.float32)
+    return tensors
 
 
-def read_header(path: str | os.PathLike) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "np") as f:
-        meta = f.metadata() or {}
-    if META_KEY not in meta:
-        raise ValueError(f"{path} is not an adaptree trace (no {META_KEY!r} header)")
-    header = json.loads(meta[META_KEY])
-    if header.get("version") != TRACE_VERSION:
-        raise ValueError(f"{path}: trace format version {header.get('version')!r}, this adaptree reads {TRACE_VERSION}")
-    return header
-
-
-def check_fingerprints(found: dict[str, str], expect: dict[str, str] | None, where: str) -> None:
-    """Raise a ValueError naming what differs when ``found`` does not match ``expect`` (keys in ``expect``)."""
-    if not expect:
-        return
-    what = {"model": "target model", "head": "draft head", "settings": "trace settings"}
-    for k, v in expect.items():
-        if v is not None and found.get(k) != v:
-            raise ValueError(f"{where} was recorded with a different {what.get(k, k)} "
-                             f"(sha256 {str(found.get(k))[:12]}..., expected {v[:12]}...); "
-                             f"record traces for this {what.get(k, k)} into another folder")
+def save_trace(trace: PromptTrace, path: str | os.PathLike) -> None:
+    """Write one prompt's trace as safetensors (atomically: a temporary file renamed into place)."""
+    write_record(path, trace_arrays(trace), META_KEY, trace.header())
 
 
 def load_trace(path: str | os.PathLike, expect: dict[str, str] | None = None) -> PromptTrace:
     """Read a trace written by :func:`save_trace`; ``expect`` (``model``/``head``/``settings`` digests)
     refuses a trace recorded with anything else."""
-    from safetensors.numpy import load_file
-
-    header = read_header(path)
-    check_fingerprints(header["fingerprints"], expect, f"trace {path}")
-    arrays = load_file(str(path))
+    header, arrays = read_record(path, TRACE_FORMAT, expect)
     s = TraceSettings.from_dict(header["settings"])
     widths = {w: WidthTrace(w, s.max_depth, arrays[f"w{w}.tokens"], arrays[f"w{w}.scores"], arrays[f"w{w}.beam"],
                             arrays.get(f"w{w}.entropy")) for w in s.widths}
@@ -588,87 +464,40 @@ def load_trace(path: str | os.PathLike, expect: dict[str, str] | None = None) ->
                        features=arrays.get("features"), fingerprints=header["fingerprints"], info=header.get("info", {}))
 
 
-def _safe_name(key: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "prompt"
-    return name[:80] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-class TraceStore:
+class TraceStore(FingerprintedStore):
     """A folder of traces: ``manifest.json`` (fingerprints + settings) and one file per prompt.
 
     Opening a folder recorded with another model, head or settings raises ``ValueError``; recording
     skips the prompts already there (resume) and re-records a prompt whose stored ids differ.
     """
 
+    format = TRACE_FORMAT
+
     def __init__(self, folder: str | os.PathLike, fingerprints: dict[str, str] | None = None,
                  settings: TraceSettings | None = None) -> None:
-        self.folder = Path(folder)
-        self.manifest_path = self.folder / "manifest.json"
-        manifest = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else None
-        if manifest is None:
-            if fingerprints is None or settings is None:
-                raise FileNotFoundError(f"no trace manifest in {self.folder}")
-            fps = {**fingerprints, "settings": settings.fingerprint()}
-            self.folder.mkdir(parents=True, exist_ok=True)
-            manifest = {"version": TRACE_VERSION, "fingerprints": fps, "settings": settings.to_dict()}
-            tmp = self.manifest_path.with_name("manifest.json.tmp")
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, self.manifest_path)
-        else:
-            if manifest.get("version") != TRACE_VERSION:
-                raise ValueError(f"{self.manifest_path}: trace format version {manifest.get('version')!r}, "
-                                 f"this adaptree reads {TRACE_VERSION}")
-            expect = dict(fingerprints or {})
-            if settings is not None:
-                expect["settings"] = settings.fingerprint()
-                if manifest["fingerprints"].get("settings") != expect["settings"]:
-                    old = TraceSettings.from_dict(manifest["settings"]).to_dict()
-                    diff = {k: (old[k], v) for k, v in settings.to_dict().items() if old.get(k) != v}
-                    raise ValueError(f"trace folder {self.folder} was recorded with other settings "
-                                     f"(recorded vs requested: {diff}); use another folder")
-            check_fingerprints(manifest["fingerprints"], expect, f"trace folder {self.folder}")
-        self.fingerprints: dict[str, str] = manifest["fingerprints"]
-        self.settings = TraceSettings.from_dict(manifest["settings"])
-
-    def path(self, key: str) -> Path:
-        return self.folder / (_safe_name(key) + ".safetensors")
+        if fingerprints is not None and settings is not None:  # a trace's fingerprints include its settings'
+            fingerprints = {**fingerprints, "settings": settings.fingerprint()}
+        super().__init__(folder, fingerprints, settings)
 
     def has(self, key: str, prompt_ids: Sequence[int] | None = None) -> bool:
-        p = self.path(key)
-        if not p.exists():
-            return False
-        try:
-            header = read_header(p)
-        except Exception:  # a torn or foreign file: record again
-            return False
-        check_fingerprints(header["fingerprints"], self.fingerprints, f"trace {p}")
-        if prompt_ids is not None:
-            from safetensors import safe_open
-            with safe_open(str(p), "np") as f:
-                stored = f.get_tensor("prompt")
-            if stored.tolist() != [int(t) for t in prompt_ids]:
-                return False
-        return True
+        return super().has(key, None if prompt_ids is None else {"prompt": prompt_ids})
 
     def put(self, trace: PromptTrace) -> Path:
-        check_fingerprints(trace.fingerprints, self.fingerprints, f"trace {trace.key!r}")
-        p = self.path(trace.key)
-        save_trace(trace, p)
-        return p
+        return self.save(trace.key, trace_arrays(trace), trace.header(), trace.fingerprints)
 
     def keys_on_disk(self) -> list[Path]:
-        return sorted(self.folder.glob("*.safetensors"))
+        return self.files()
 
     def load_all(self) -> list[PromptTrace]:
-        return [load_trace(p, self.fingerprints) for p in self.keys_on_disk()]
+        return [load_trace(p, self.fingerprints) for p in self.files()]
 
     def record(self, target, head, prompts: Sequence[tuple[str, Sequence[int]]], progress: bool = True,
                prompt_batch: int = 8) -> dict:
         """Record every ``(key, prompt_ids)`` not already stored; returns counts (recorded, skipped).
 
         The greedy outputs of ``prompt_batch`` prompts at a time come from one batched autoregressive run
-        (:func:`greedy_outputs`); every trace is saved as soon as it is complete (an interrupted
-        recording resumes from the prompts already stored).
+        (:func:`~adaptree.core.batched.batched_decode`); every trace is saved as soon as it is complete (an
+        interrupted recording resumes from the prompts already stored).
         """
         from tqdm import tqdm
 
@@ -682,7 +511,7 @@ class TraceStore:
         bar = tqdm(total=len(prompts), initial=skipped, desc="traces", unit="prompt", disable=not progress)
         for i in range(0, len(todo), prompt_batch):
             chunk = todo[i:i + prompt_batch]
-            outs = greedy_outputs(target, [ids for _, ids in chunk], s.max_new_tokens, s.eos_token_ids,
+            outs = batched_decode(target, [ids for _, ids in chunk], s.max_new_tokens, s.eos_token_ids,
                                   s.max_seq_len, lookahead=s.max_depth + 1)
             for (key, ids), output in zip(chunk, outs):
                 self.put(record_trace(target, head, ids, settings=s, key=key, fingerprints=fps, output=output))

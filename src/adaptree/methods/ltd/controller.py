@@ -25,11 +25,12 @@ fixed). Policies default to the ones shipped next to the model's head (``heads/<
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
 
 STOP, CONTINUE = 0, 1
@@ -125,13 +126,9 @@ class LTDObservation:
 
 
 @dataclass
-class LTDConfig:
+class LTDConfig(TreeShape):
     """LTD's inference settings. Which policies run is the method: ``ltd``, ``ltd-depth``, ``ltd-size``."""
 
-    depth_policy: str | None = None
-    """Depth policy folder (``ltd/depth`` next to the head in use when built through the method registry)."""
-    size_policy: str | None = None
-    """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     width: int = 10
     """Beam width W; must equal the policies' W."""
     depth: int | None = None
@@ -139,13 +136,19 @@ class LTDConfig:
     (default 8, EAGLE-3's)."""
     size: int = 60
     """Without the size policy: the fixed V (EAGLE-3's 60)."""
+    depth_policy: str | None = None
+    """Depth policy folder (``ltd/depth`` next to the head in use when built through the method registry)."""
+    size_policy: str | None = None
+    """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     mode: str = "both"
     """both | depth | size: which policies decide."""
+
+    unset_depth: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        check_shape(self.width, 8 if self.depth is None else self.depth, self.size)
+        super().__post_init__()
 
 
 @dataclass
@@ -203,7 +206,7 @@ class LTDController(Controller):
             depth = cfg.depth if cfg.depth is not None else 8
         if self.size_policy is not None and depth > self.size_obs.max_depth:
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
-        self.plan = TreePlan(cfg.width, depth, cfg.size)
+        self.plan = cfg.plan(depth)
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         return self.plan

@@ -33,12 +33,9 @@ whether they suffice).
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import json
-import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +51,18 @@ from adaptree.methods.ltd.controller import (
 from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
-from adaptree.offline.runs import pin_settings, write_json
+from adaptree.offline.runs import (
+    CsvLog,
+    dataclass_from_dict,
+    pin_settings,
+    save_tensors,
+    settings_of,
+    split_by_key,
+    write_json,
+)
 
 STAGES = ("stage1-size", "stage1-depth", "iter1-size", "iter2-depth", "iter3-size")
+LOG_FIELDS = ("timesteps", "seconds", "train_reward", "val_speedup", "val_tau", "val_depth", "val_size")
 
 
 @dataclass
@@ -158,18 +164,7 @@ def _lr_schedule(lr: float, warmup: float):
 
 def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list, list]:
     """Train / validation traces by prompt key (deterministic, order-free; at least one of each)."""
-    from adaptree.data.splits import split_of
-
-    if len(traces) < 2:
-        raise ValueError(f"LTD training needs at least 2 traces (train + validation), got {len(traces)}")
-    fr = {"train": 1.0 - val_fraction, "validation": val_fraction}
-    tr = [t for t in traces if split_of(t.key, fr, seed) == "train"]
-    va = [t for t in traces if split_of(t.key, fr, seed) == "validation"]
-    if not va:
-        va, tr = tr[-1:], tr[:-1]
-    if not tr:
-        tr, va = va[:1], va[1:]
-    return tr, va
+    return split_by_key(traces, val_fraction, seed, key=lambda t: t.key, both="LTD training needs at least 2 traces")
 
 
 class _Stage:
@@ -234,14 +229,6 @@ def evaluate(controller, traces: list, latency) -> dict:
     return {k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")}
 
 
-def _state_dict_file(path: Path, module: torch.nn.Module) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, str(tmp))
-    os.replace(tmp, path)
-
-
 def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, latency, folder: Path,
                init: Path | None, progress: bool) -> dict:
     """Train one stage with SB3 PPO; returns its result (best validation, times)."""
@@ -263,7 +250,7 @@ def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, lat
     if init is not None:  # co-adaptation: start from the previous stage's actor and critic
         model.policy.load_state_dict(load_file(str(init)), strict=True)
     pcfg = stage.policy_config()
-    log_path = folder / "log.csv"
+    log = CsvLog(folder / "log.csv", LOG_FIELDS)
     best = {"modelled_speedup": -1.0}
     t0 = time.perf_counter()
     bar = None
@@ -272,61 +259,55 @@ def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, lat
 
         bar = tqdm(total=stage.steps, desc=f"ltd {stage.name}", unit="step", dynamic_ncols=True)
 
-    with open(log_path, "w", newline="") as logf:
-        writer = csv.writer(logf)
-        writer.writerow(["timesteps", "seconds", "train_reward", "val_speedup", "val_tau", "val_depth", "val_size"])
+    def validate() -> dict:
+        nonlocal best
+        policy = MLPPolicy.from_sb3(model.policy, pcfg)
+        ev = evaluate(stage.controller(policy), val_traces, latency)
+        if ev["modelled_speedup"] > best["modelled_speedup"]:
+            best = {**ev, "timesteps": int(model.num_timesteps)}
+            policy.save(folder / "policy", training={"stage": stage.name, **best})
+            save_tensors(model.policy.state_dict(), folder / "sb3_policy.safetensors")
+        return ev
 
-        def validate() -> dict:
-            nonlocal best
-            policy = MLPPolicy.from_sb3(model.policy, pcfg)
-            ev = evaluate(stage.controller(policy), val_traces, latency)
-            if ev["modelled_speedup"] > best["modelled_speedup"]:
-                best = {**ev, "timesteps": int(model.num_timesteps)}
-                policy.save(folder / "policy", training={"stage": stage.name, **best})
-                _state_dict_file(folder / "sb3_policy.safetensors", model.policy)
-            return ev
+    class Callback(BaseCallback):
+        rollouts = 0
 
-        class Callback(BaseCallback):
-            rollouts = 0
+        def _on_step(self) -> bool:
+            return True
 
-            def _on_step(self) -> bool:
-                return True
-
-            def _on_rollout_end(self) -> None:
-                Callback.rollouts += 1
-                buf = self.model.rollout_buffer
-                r = float(buf.rewards.sum() / max(1, int(buf.episode_starts.sum()) or 1))
-                row = [int(self.model.num_timesteps), round(time.perf_counter() - t0, 2), round(r, 5)]
-                if Callback.rollouts % cfg.eval_every == 0:
-                    ev = validate()
-                    row += [round(ev["modelled_speedup"], 5), round(ev["tau"], 4), round(ev["mean_depth"], 3),
-                            round(ev["mean_size"], 2)]
-                    if bar is not None:
-                        bar.set_postfix(val=f"{ev['modelled_speedup']:.3f}x", best=f"{best['modelled_speedup']:.3f}x")
-                writer.writerow(row)
-                logf.flush()
+        def _on_rollout_end(self) -> None:
+            Callback.rollouts += 1
+            buf = self.model.rollout_buffer
+            r = float(buf.rewards.sum() / max(1, int(buf.episode_starts.sum()) or 1))
+            row = dict(timesteps=int(self.model.num_timesteps), seconds=round(time.perf_counter() - t0, 2),
+                       train_reward=round(r, 5))
+            if Callback.rollouts % cfg.eval_every == 0:
+                ev = validate()
+                row.update(val_speedup=round(ev["modelled_speedup"], 5), val_tau=round(ev["tau"], 4),
+                           val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2))
                 if bar is not None:
-                    bar.update(cfg.rollout)
-
-        threads = torch.get_num_threads()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        try:
-            model.learn(total_timesteps=stage.steps, callback=Callback())
-            validate()
-        finally:
-            torch.set_num_threads(threads)
-            venv.close()
+                    bar.set_postfix(val=f"{ev['modelled_speedup']:.3f}x", best=f"{best['modelled_speedup']:.3f}x")
+            log.append(row)
             if bar is not None:
-                bar.close()
+                bar.update(cfg.rollout)
+
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        model.learn(total_timesteps=stage.steps, callback=Callback())
+        validate()
+    finally:
+        torch.set_num_threads(threads)
+        venv.close()
+        if bar is not None:
+            bar.close()
     return {"stage": stage.name, "kind": stage.kind, "steps": int(model.num_timesteps),
             "seconds": time.perf_counter() - t0, "best": best}
 
 
 def _settings(cfg: LTDTrainConfig, fingerprints: dict) -> dict:
-    d = {k: v for k, v in asdict(cfg).items() if k not in ("out", "threads", "eval_every")}
-    d["fingerprints"] = fingerprints
-    return json.loads(json.dumps(d))
+    return settings_of(cfg, skip=("out", "threads", "eval_every"), extra={"fingerprints": fingerprints})
 
 
 def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> dict:
@@ -417,5 +398,4 @@ def _finish_single(cfg, out: Path, settings, train, val, results, policies, late
 
 
 def config_from_dict(d: dict) -> LTDTrainConfig:
-    names = {f.name for f in dataclasses.fields(LTDTrainConfig)}
-    return LTDTrainConfig(**{k: v for k, v in d.items() if k in names})
+    return dataclass_from_dict(LTDTrainConfig, d)

@@ -15,25 +15,24 @@ given by ``policy``; None = the policy shipped next to the default model's head
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape
 from adaptree.core.tree import DraftStep
 
 @dataclass
-class RadarConfig:
+class RadarConfig(TreeShape):
     """RADAR's inference settings (tree shape from EAGLE-3, paper §3.1)."""
 
-    policy: str | None = None
-    """Policy folder (config.json + model.safetensors; ``radar/`` next to the head in use when built through the
-    method registry)."""
     width: int = 10
     """Beam width W; must equal the policy's input width."""
     depth: int | None = None
     """Maximum draft depth (draft forwards per cycle); None = the policy's D_max."""
-    size: int = 60
-    """Verification size V: draft nodes sent to the target."""
+    policy: str | None = None
+    """Policy folder (config.json + model.safetensors; ``radar/`` next to the head in use when built through the
+    method registry)."""
     threshold: float = 0.5
     """Deterministic rule: stop iff P(STOP) >= threshold (0.5 = argmax)."""
     stochastic: bool = False
@@ -41,8 +40,10 @@ class RadarConfig:
     seed: int = 0
     """Seed of the stochastic decisions' generator (reset with every generation)."""
 
+    unset_depth: ClassVar[int] = 1
+
     def __post_init__(self) -> None:
-        check_shape(self.width, 1 if self.depth is None else self.depth, self.size)
+        super().__post_init__()
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
 
@@ -69,7 +70,7 @@ class RadarController(Controller):
         if pc.width != cfg.width:
             raise ValueError(f"width (W) {cfg.width} does not match the RADAR policy's input width {pc.width}")
         depth = cfg.depth if cfg.depth is not None else pc.max_depth
-        self.plan = TreePlan(cfg.width, depth, cfg.size)
+        self.plan = cfg.plan(depth)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.hc = None
         self.last_p_stop = float("nan")

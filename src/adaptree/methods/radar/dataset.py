@@ -34,8 +34,9 @@ target cache back. Then the engine proceeds with its normal cycle: it verifies t
 and samples the acceptance, so the recorded trajectory is EAGLE-3's static tree at depth ``max_depth``.
 
 The recorder is a controller (:class:`RadarRecorder`): it always continues to ``max_depth`` and does its
-work in ``choose_size``, so the engine loop is reused as is. On disk (:class:`RadarStore`): a folder with
-``manifest.json`` (fingerprints + settings) and one safetensors file per prompt (no pickles) with
+work in ``choose_size``, so the engine loop is reused as is. On disk (:class:`RadarStore`, a
+:class:`~adaptree.offline.store.FingerprintedStore`): a folder with ``manifest.json`` (fingerprints +
+settings) and one safetensors file per prompt (no pickles) with
 ``scores`` float32 [C, D, W] (beam scores after each draft forward), ``dist`` float32 [C, D, D + 1]
 (row k: P(accepted = j) at stop point k), ``sizes`` int32 [C, D] (V of each stop point's tree),
 ``context_len`` int32 [C], ``accepted`` int32 [C] (the trajectory's sampled acceptance), ``union`` int32
@@ -45,11 +46,9 @@ work in ``choose_size``, so the engine loop is reused as is. On disk (:class:`Ra
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -57,6 +56,12 @@ import torch
 from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
 from adaptree.core.tree import DraftStep, DraftTree, VerifyTree
 from adaptree.core.verify import SamplingConfig, greedy_tokens, warp_probs
+from adaptree.offline.store import (
+    FingerprintedStore,
+    StoreFormat,
+    StoreSettings,
+    read_record,
+)
 
 RADAR_DATA_VERSION = 1
 META_KEY = "adaptree_radar"
@@ -127,7 +132,7 @@ def sub_tree(tree: VerifyTree, nodes: torch.Tensor) -> VerifyTree:
 
 
 @dataclass(frozen=True)
-class RadarDataSettings:
+class RadarDataSettings(StoreSettings):
     """How a RADAR dataset is recorded; part of its fingerprint."""
 
     width: int = 10
@@ -160,21 +165,10 @@ class RadarDataSettings:
         digest = hashlib.sha256(f"radar\0{self.seed}\0{key}".encode()).digest()
         return SamplingConfig(self.temperature, self.top_p, self.top_k, int.from_bytes(digest[:6], "big"))
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        d["extra"] = dict(self.extra)
-        return d
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RadarDataSettings":
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        d["extra"] = tuple(dict(d.get("extra") or {}).items())
-        return cls(**d)
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+RADAR_FORMAT = StoreFormat(META_KEY, RADAR_DATA_VERSION, RadarDataSettings, record="RADAR record",
+                           folder="RADAR dataset")
+"""RADAR records and datasets (:mod:`adaptree.offline.store`); fingerprints ``model`` and ``head``."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,99 +292,19 @@ class RadarRecord:
         return int(self.scores.shape[0])
 
 
-def _safe_name(key: str) -> str:
-    import re
-
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._") or "prompt"
-    return name[:80] + "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-def save_record(path: Path, arrays: dict, header: dict) -> None:
-    from safetensors.numpy import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-              metadata={META_KEY: json.dumps(header, sort_keys=True)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_header(path: str | os.PathLike) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "np") as f:
-        meta = f.metadata() or {}
-    if META_KEY not in meta:
-        raise ValueError(f"{path} is not an adaptree RADAR record (no {META_KEY!r} header)")
-    header = json.loads(meta[META_KEY])
-    if header.get("version") != RADAR_DATA_VERSION:
-        raise ValueError(f"{path}: RADAR record version {header.get('version')!r}, this adaptree reads "
-                         f"{RADAR_DATA_VERSION}")
-    return header
-
-
 def load_record(path: str | os.PathLike) -> RadarRecord:
-    from safetensors.numpy import load_file
-
-    header = read_header(path)
-    a = load_file(str(path))
+    header, a = read_record(path, RADAR_FORMAT)
     return RadarRecord(header["key"], a["scores"], a["dist"], a["sizes"], a["context_len"], a["accepted"], header)
 
 
-class RadarStore:
+class RadarStore(FingerprintedStore):
     """A folder of RADAR records: ``manifest.json`` and one ``.safetensors`` file per prompt.
 
     Opening a folder recorded with another model, head or settings raises ``ValueError`` naming what
     differs; :meth:`record` skips the prompts already there (resume).
     """
 
-    def __init__(self, folder: str | os.PathLike, fingerprints: dict[str, str] | None = None,
-                 settings: RadarDataSettings | None = None) -> None:
-        self.folder = Path(folder)
-        self.manifest_path = self.folder / "manifest.json"
-        if not self.manifest_path.exists():
-            if fingerprints is None or settings is None:
-                raise FileNotFoundError(f"no RADAR dataset manifest in {self.folder}")
-            self.folder.mkdir(parents=True, exist_ok=True)
-            manifest = {"version": RADAR_DATA_VERSION, "fingerprints": dict(fingerprints),
-                        "settings": settings.to_dict(), "settings_sha256": settings.fingerprint()}
-            tmp = self.manifest_path.with_name("manifest.json.tmp")
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, self.manifest_path)
-        else:
-            manifest = json.loads(self.manifest_path.read_text())
-            if manifest.get("version") != RADAR_DATA_VERSION:
-                raise ValueError(f"{self.manifest_path}: RADAR dataset version {manifest.get('version')!r}, "
-                                 f"this adaptree reads {RADAR_DATA_VERSION}")
-            if settings is not None and manifest["settings_sha256"] != settings.fingerprint():
-                old = RadarDataSettings.from_dict(manifest["settings"]).to_dict()
-                diff = {k: (old.get(k), v) for k, v in settings.to_dict().items() if old.get(k) != v}
-                raise ValueError(f"RADAR dataset {self.folder} was recorded with other settings "
-                                 f"(recorded vs requested: {diff}); use another folder")
-            for k, v in (fingerprints or {}).items():
-                if manifest["fingerprints"].get(k) != v:
-                    raise ValueError(f"RADAR dataset {self.folder} was recorded with a different {k} "
-                                     f"(sha256 {str(manifest['fingerprints'].get(k))[:12]}..., this one "
-                                     f"{str(v)[:12]}...); use another folder")
-        self.fingerprints: dict[str, str] = manifest["fingerprints"]
-        self.settings = RadarDataSettings.from_dict(manifest["settings"])
-
-    def path(self, key: str) -> Path:
-        return self.folder / (_safe_name(key) + ".safetensors")
-
-    def has(self, key: str) -> bool:
-        p = self.path(key)
-        if not p.exists():
-            return False
-        try:
-            return read_header(p).get("key") == key
-        except Exception:  # a torn or foreign file: record again
-            return False
-
-    def files(self) -> list[Path]:
-        return sorted(self.folder.glob("*.safetensors"))
+    format = RADAR_FORMAT
 
     def load_all(self) -> list[RadarRecord]:
         return [load_record(p) for p in self.files()]
@@ -406,9 +320,7 @@ class RadarStore:
                 skipped += 1
                 continue
             out = record_prompt(engine, ids, self.settings, key)
-            header = {"version": RADAR_DATA_VERSION, **out["header"], "settings_sha256": self.settings.fingerprint(),
-                      "fingerprints": self.fingerprints}
-            save_record(self.path(key), out["arrays"], header)
+            self.save(key, out["arrays"], {**out["header"], "settings_sha256": self.settings.fingerprint()})
             done += 1
             cycles += out["header"]["cycles"]
             bar.set_postfix(recorded=done, skipped=skipped, cycles=cycles)

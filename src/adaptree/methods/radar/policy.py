@@ -8,21 +8,22 @@ vector plus, with ``step_feature``, the step index ``t / D_max`` (the paper feed
 which extra inputs its MLP sees is not printed: our choice, documented in docs/radar.md). The LSTM
 state is reset at every cycle. Files: a folder with ``config.json`` (:class:`RadarModelConfig`, unknown
 fields refused) and ``model.safetensors`` (loaded strictly: a missing, unexpected or mis-shaped tensor
-is an error that names it).
+is an error that names it): the folder format of :mod:`adaptree.offline.policy`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from adaptree.offline.policy import load_policy, save_policy
+from adaptree.offline.runs import dataclass_from_dict
+
 STOP, CONTINUE = 0, 1
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
 @dataclass
@@ -59,13 +60,10 @@ class RadarModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RadarModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known - {"kind", "version"})
-        if unknown:
-            raise ValueError(f"unknown RADAR model config fields {unknown}; known: {sorted(known)}")
+        config = dataclass_from_dict(cls, d, "RADAR model", allowed=("kind", "version"))
         if d.get("kind", "radar") != "radar":
             raise ValueError(f"config kind {d.get('kind')!r} is not a RADAR policy")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return config
 
 
 class RadarPolicy(nn.Module):
@@ -120,46 +118,12 @@ class RadarPolicy(nn.Module):
 
     def save(self, folder: str | os.PathLike, extra: dict | None = None) -> Path:
         """Write ``config.json`` (config + ``extra`` under ``training``) and ``model.safetensors``."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = {"kind": "radar", "version": 1, **asdict(self.config)}
-        if extra:
-            cfg["training"] = extra
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-        (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        return folder
+        return save_policy(folder, self, {"kind": "radar", "version": 1, **asdict(self.config)}, extra,
+                           sort_keys=True)
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> "RadarPolicy":
         """Load a folder written by :meth:`save`, strictly (see the module docstring)."""
-        from safetensors.torch import load_file
+        return load_policy(folder, lambda d: cls(RadarModelConfig.from_dict(
+            {k: v for k, v in d.items() if k != "training"})), "RADAR policy")
 
-        folder = Path(folder)
-        cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-        for p in (cfg_path, w_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"RADAR policy file {str(p)!r} does not exist")
-        d = json.loads(cfg_path.read_text())
-        d.pop("training", None)
-        model = cls(RadarModelConfig.from_dict(d))
-        load_strict(model, load_file(str(w_path)), str(w_path))
-        return model.eval()
-
-
-def load_strict(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """``model.load_state_dict`` that names the first missing, unexpected or mis-shaped key."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(tensors))
-    unexpected = sorted(set(tensors) - set(own))
-    if missing:
-        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
-    if unexpected:
-        raise ValueError(f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected)")
-    for k, v in own.items():
-        if tuple(tensors[k].shape) != tuple(v.shape):
-            raise ValueError(f"{where}: tensor {k!r} has shape {tuple(tensors[k].shape)}, the config needs "
-                             f"{tuple(v.shape)}")
-    model.load_state_dict(tensors, strict=True)

@@ -27,23 +27,29 @@ is exported. Everything is CPU minutes; no model but the policy is involved.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from adaptree.methods.radar.policy import (
-    CONTINUE,
-    STOP,
-    RadarModelConfig,
-    RadarPolicy,
-    load_strict,
+from adaptree.methods.radar.policy import CONTINUE, STOP, RadarModelConfig, RadarPolicy
+from adaptree.offline.policy import load_strict
+from adaptree.offline.runs import (
+    CsvLog,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    pin_settings,
+    restore_rng,
+    rng_tensors,
+    save_tensors,
+    settings_of,
+    split_by_key,
+    tensor_metadata,
+    write_json,
 )
 
 
@@ -138,11 +144,7 @@ class RadarTrainConfig:
 
     def run_settings(self) -> dict:
         """What must match to resume (everything but the bookkeeping fields)."""
-        d = asdict(self)
-        for k in ("resume", "out", "eval_every", "checkpoint_every"):
-            d.pop(k)
-        d["alphas"] = list(self.alphas)
-        return d
+        return settings_of(self, skip=("resume", "out", "eval_every", "checkpoint_every"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,15 +205,8 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> E
 
 
 def split_records(records, val_fraction: float, seed: int):
-    """Train / validation records by prompt key (deterministic, :func:`adaptree.data.splits.split_of`)."""
-    from adaptree.data.splits import split_of
-
-    if val_fraction <= 0.0:
-        return list(records), []
-    spec = {"train": 1.0 - val_fraction, "validation": val_fraction}
-    train = [r for r in records if split_of(r.key, spec, seed) == "train"]
-    val = [r for r in records if split_of(r.key, spec, seed) == "validation"]
-    return train, val
+    """Train / validation records by prompt key (deterministic, :func:`adaptree.offline.runs.split_by_key`)."""
+    return split_by_key(records, val_fraction, seed, key=lambda r: r.key)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,41 +292,32 @@ def reinforce_loss(policy: RadarPolicy, ep: Episodes, idx: torch.Tensor, alpha: 
 # --------------------------------------------------------------------------------------------------
 
 
+def _prefixed(prefix: str, tensors: dict) -> dict:
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+def _unprefixed(prefix: str, tensors: dict) -> dict:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def save_checkpoint(path: Path, policy: RadarPolicy, opt: torch.optim.Adam, gen: torch.Generator, step: int,
                     meta: dict) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in policy.state_dict().items()}
+    """One safetensors file: ``model.*`` (weights), ``opt.<param>.*`` (Adam state), the RNG states (the
+    sampler's and torch's: dropout masks), and ``meta`` with the step as JSON metadata."""
     names = [n for n, _ in policy.named_parameters()]
-    params = dict(policy.named_parameters())
-    for n in names:
-        st = opt.state.get(params[n], {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in st:
-                tensors[f"opt.{n}.{key}"] = st[key].contiguous()
-        if "step" in st:
-            tensors[f"opt.{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    tensors["rng"] = gen.get_state()
-    tensors["torch_rng"] = torch.get_rng_state()  # dropout masks
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"adaptree_radar_ckpt": json.dumps({**meta, "step": step})})
-    os.replace(tmp, path)
+    tensors = {**_prefixed("model.", policy.state_dict()), **_prefixed("opt.", optimizer_tensors(opt, names)),
+               **rng_tensors(gen)}
+    save_tensors(tensors, path, metadata={"adaptree_radar_ckpt": json.dumps({**meta, "step": step})})
 
 
 def load_checkpoint(path: Path, policy: RadarPolicy, opt: torch.optim.Adam, gen: torch.Generator) -> dict:
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads((f.metadata() or {})["adaptree_radar_ckpt"])
+    meta = json.loads(tensor_metadata(path)["adaptree_radar_ckpt"])
     t = load_file(str(path))
-    load_strict(policy, {k[6:]: v for k, v in t.items() if k.startswith("model.")}, str(path))
-    for n, p in policy.named_parameters():
-        if f"opt.{n}.exp_avg" in t:
-            opt.state[p] = {"step": t[f"opt.{n}.step"].reshape(()).clone(), "exp_avg": t[f"opt.{n}.exp_avg"].clone(),
-                            "exp_avg_sq": t[f"opt.{n}.exp_avg_sq"].clone()}
-    gen.set_state(t["rng"])
-    torch.set_rng_state(t["torch_rng"])
+    load_strict(policy, _unprefixed("model.", t), str(path))
+    load_optimizer_tensors(opt, _unprefixed("opt.", t), [n for n, _ in policy.named_parameters()])
+    restore_rng(t, gen)
     return meta
 
 
@@ -359,18 +345,11 @@ def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episode
     policy = RadarPolicy(mcfg)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ckpt, log_path = folder / "checkpoint.safetensors", folder / "log.csv"
+    ckpt = folder / "checkpoint.safetensors"
     start = 0
     if cfg.resume and ckpt.exists():
         start = int(load_checkpoint(ckpt, policy, opt, gen)["step"])
-    rows = []
-    if start and log_path.exists():
-        with log_path.open() as f:
-            rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
-    with log_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, LOG_FIELDS)
-        w.writeheader()
-        w.writerows(rows)
+    log = CsvLog(folder / "log.csv", LOG_FIELDS, keep=start)  # the rows up to the checkpoint
     t0 = time.perf_counter()
     policy.train()
     bar = tqdm(range(start, cfg.steps), desc=f"radar alpha={alpha:g}", unit="step", disable=not progress,
@@ -394,8 +373,7 @@ def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episode
             row.update(val_throughput=val_metrics["throughput"], val_calls=val_metrics["calls"],
                        val_tau=val_metrics["tau"])
             bar.set_postfix(calls=f"{val_metrics['calls']:.2f}", thr=f"{val_metrics['throughput']:.4g}")
-        with log_path.open("a", newline="") as f:
-            csv.DictWriter(f, LOG_FIELDS).writerow({k: row.get(k, "") for k in LOG_FIELDS})
+        log.append(row)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             save_checkpoint(ckpt, policy, opt, gen, done, meta)
     policy.eval()
@@ -435,16 +413,10 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
     val = make_episodes(va, cfg, st.width, latency)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "train_config.json"
     settings = cfg.run_settings()
-    if cfg_path.exists():
-        old = json.loads(cfg_path.read_text())
-        if not cfg.resume:
-            raise ValueError(f"{out} already holds a RADAR run; pass --resume to continue it or use another --out")
-        if old != settings:
-            diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-            raise ValueError(f"{out} was trained with other settings (stored vs requested: {diff})")
-    cfg_path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    if (out / "train_config.json").exists() and not cfg.resume:
+        raise ValueError(f"{out} already holds a RADAR run; pass --resume to continue it or use another --out")
+    pin_settings(out, settings, "a RADAR run", name="train_config.json")
     always = evaluate_stops(train, torch.full((len(train),), train.depth - 1, dtype=torch.long))
     beta = cfg.beta if cfg.beta is not None else 1.0 / always["throughput"]
     results = {}
@@ -455,7 +427,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
             results[alpha] = json.loads(final_path.read_text())
             continue
         _, final = train_alpha(cfg, alpha, beta, train, val, st.width, folder, progress)
-        final_path.write_text(json.dumps(final, indent=2) + "\n")
+        write_json(final, final_path)
         results[alpha] = final
     best = max(cfg.alphas, key=lambda a: (results[a]["throughput"], -a))
     chosen = RadarPolicy.load(out / f"alpha_{best:g}" / "policy")
@@ -466,7 +438,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
                "beta": beta, "chosen_alpha": best, "policy": str(out / "policy"),
                "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "val_static": static_baselines(val),
                "settings": settings, "dataset_settings": st.to_dict()}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(summary, out / "summary.json")
     return summary
 
 

@@ -39,11 +39,9 @@ lambda 0.95 for its standard PPO and 0.95 / 0.9 for max-entropy PPO; both are fl
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,9 +61,16 @@ from adaptree.methods.resps.controller import (
     resps_actions,
 )
 from adaptree.methods.resps.env import PlanEnv
+from adaptree.offline import runs
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
-from adaptree.offline.runs import pin_settings, write_json
+from adaptree.offline.runs import (
+    CsvLog,
+    pin_settings,
+    settings_of,
+    split_by_key,
+    write_json,
+)
 
 STATIC_DEFAULT = (10, 8, 60)
 """EAGLE-3's static tree (W, depth, V): the baseline Re-SpS is compared with."""
@@ -106,16 +111,23 @@ class ReSpSTrainConfig:
     n_steps: int = 64
     """PPO rollout length per environment (paper: 64)."""
     batch_size: int = 32
+    """PPO minibatch."""
     n_epochs: int = 4
+    """PPO epochs per rollout."""
     clip_range: float = 0.2
+    """PPO clip."""
     gamma: float = 0.95
+    """Discount (the paper's standard PPO: 0.99)."""
     gae_lambda: float = 0.9
+    """GAE lambda (the paper's standard PPO: 0.95)."""
     max_entropy: bool = False
     """The paper's max-entropy PPO: entropy coefficient 0.1 and temperature-1.5 action sampling at inference."""
     ent_coef: float | None = None
     """Entropy coefficient; None = 0.01 (standard) or 0.1 (max_entropy)."""
     vf_coef: float = 0.5
+    """Value-loss coefficient."""
     lr: float = 3e-4
+    """Learning rate."""
     pi: tuple[int, ...] = (128, 128)
     """Actor hidden layers."""
     vf: tuple[int, ...] = (128, 128)
@@ -197,8 +209,7 @@ class ReSpSTrainConfig:
 
 
 def config_from_dict(d: dict) -> ReSpSTrainConfig:
-    names = {f.name for f in fields(ReSpSTrainConfig)}
-    return ReSpSTrainConfig(**{k: v for k, v in d.items() if k in names})
+    return runs.dataclass_from_dict(ReSpSTrainConfig, d)
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -303,48 +314,26 @@ class LiveValidator:
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+SB3_WEIGHTS = "sb3_policy.safetensors"
 
 
 def save_checkpoint(model, folder: Path, state: dict) -> None:
-    """Actor-critic weights, Adam moments (safetensors) and the training state (JSON), written atomically."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _atomic_save(model.policy.state_dict(), folder / "sb3_policy.safetensors")
-    opt = model.policy.optimizer.state_dict()["state"]
-    _atomic_save({f"{i}.{name}": (t if isinstance(t, torch.Tensor) else torch.tensor(float(t)))
-                  for i, s in opt.items() for name, t in s.items()}, folder / "optimizer.safetensors")
-    write_json(state, folder / "state.json")
+    """Actor-critic weights, Adam moments (safetensors) and the training state (JSON), written atomically
+    (:func:`adaptree.offline.runs.save_checkpoint`)."""
+    runs.save_checkpoint(folder, model.policy, state, model.policy.optimizer, weights=SB3_WEIGHTS)
 
 
 def load_checkpoint(model, folder: Path) -> dict:
     """Restore what :func:`save_checkpoint` wrote into ``model``; returns the training state."""
-    from safetensors.torch import load_file
-
-    model.policy.load_state_dict(load_file(str(folder / "sb3_policy.safetensors")), strict=True)
-    flat = load_file(str(folder / "optimizer.safetensors"))
-    sd = model.policy.optimizer.state_dict()
-    state: dict = {}
-    for key, t in flat.items():
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = t
-    sd["state"] = state
-    model.policy.optimizer.load_state_dict(sd)
-    return json.loads((folder / "state.json").read_text())
+    return runs.load_checkpoint(folder, model.policy, model.policy.optimizer, weights=SB3_WEIGHTS)
 
 
 # ---------------------------------------------------------------------------------------------- training
 
 
 def _settings(cfg: ReSpSTrainConfig, extra: dict) -> dict:
-    skip = ("out", "threads", "eval_every", "checkpoint_every", "time_budget_s", "steps")
-    d = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    d.update(extra)
-    return json.loads(json.dumps(d))
+    return settings_of(cfg, skip=("out", "threads", "eval_every", "checkpoint_every", "time_budget_s", "steps"),
+                       extra=extra)
 
 
 LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "approx_kl", "val_metric", "val_tau",
@@ -388,8 +377,9 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
         result = done  # finished: only the export and the summary are rebuilt (a larger --steps continues)
     else:
         n_envs = 1 if live else cfg.n_envs
-        resumed = ckpt.exists() and (ckpt / "state.json").exists()
-        state = json.loads((ckpt / "state.json").read_text()) if resumed else {
+        found = runs.find_checkpoint(ckpt, SB3_WEIGHTS)
+        resumed = found is not None
+        state = runs.checkpoint_state(found) if resumed else {
             "timesteps": 0, "rollouts": 0, "seconds": 0.0, "best": None}
         seed0 = cfg.seed * 1000 + int(state["rollouts"])  # a resumed run visits the prompts in a new order
 
@@ -406,18 +396,10 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                     policy_kwargs=dict(net_arch=dict(pi=list(cfg.pi), vf=list(cfg.vf))), seed=seed0,
                     device="cpu", verbose=0)
         if resumed:
-            state = load_checkpoint(model, ckpt)
+            state = load_checkpoint(model, found)
             model.num_timesteps = int(state["timesteps"])
         best = state["best"]
-        log_path = out / "log.csv"
-        rows = []
-        if resumed and log_path.exists():  # keep the rows up to the checkpoint (later ones are redone)
-            with open(log_path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["rollouts"]) <= int(state["rollouts"])]
-        with open(log_path, "w", newline="") as f:
-            w = csv.DictWriter(f, LOG_FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        log = CsvLog(out / "log.csv", LOG_FIELDS, keep=int(state["rollouts"]), by="rollouts")  # rows to the checkpoint
         per_rollout = cfg.n_steps * n_envs
         bar = None
         if progress:
@@ -459,8 +441,7 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                                     val_unique_actions=ev.get("unique_actions", ""))
                     if bar is not None:
                         bar.set_postfix(val=f"{ev[validator.metric]:.3f}", best=f"{best[validator.metric]:.3f}")
-                with open(log_path, "a", newline="") as f:
-                    csv.DictWriter(f, LOG_FIELDS).writerow(self.row)
+                log.append(self.row)
                 self.row = None
 
             def _on_rollout_start(self) -> None:  # the previous rollout's update is done
@@ -504,7 +485,7 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                 state["best"] = best
                 state["seconds"] = seconds0 + time.perf_counter() - t0
                 save_checkpoint(model, ckpt, state)
-                _append_final(log_path, state, validator, ev)
+                _append_final(log, state, validator, ev)
         finally:
             torch.set_num_threads(threads)
             venv.close()
@@ -540,34 +521,28 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     return summary
 
 
-def _append_final(log_path: Path, state: dict, validator, ev: dict) -> None:
+def _append_final(log: CsvLog, state: dict, validator, ev: dict) -> None:
     """The end-of-training validation, as a row of its own if the last rollout's row has none."""
-    with open(log_path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = log.rows()
     if rows and rows[-1]["val_metric"] != "" and int(rows[-1]["rollouts"]) == state["rollouts"]:
         return
-    row = {k: "" for k in LOG_FIELDS}
-    row.update(timesteps=state["timesteps"], rollouts=state["rollouts"], seconds=round(state["seconds"], 2),
-               val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
-               val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
-               val_unique_actions=ev.get("unique_actions", ""))
-    with open(log_path, "a", newline="") as f:
-        csv.DictWriter(f, LOG_FIELDS).writerow(row)
+    log.append(dict(timesteps=state["timesteps"], rollouts=state["rollouts"], seconds=round(state["seconds"], 2),
+                    val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
+                    val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
+                    val_unique_actions=ev.get("unique_actions", "")))
 
 
 def format_table(summary: dict) -> str:
     """A markdown table of the summary's validation rows."""
     metric = summary["val_metric"]
     name = {"modelled_speedup": "modelled speedup vs AR", "tokens_per_s": "tokens/s"}[metric]
+    rows = [[arm, f"{r[metric]:.3f}", f"{r['tau']:.3f}", f"{r['mean_depth']:.2f}", f"{r['mean_size']:.1f}",
+             r.get("unique_actions", "-"), "-" if r.get("policy_overhead_pct") is None
+             else f"{r['policy_overhead_pct']:.2f}%"] for arm, r in {**summary["resps"], **summary["baselines"]}.items()]
     lines = [f"Validation on {len(summary['val_prompts'])} held-out prompts ({name}; Re-SpS at the inference "
              f"temperature, policy time measured apart)", "",
-             f"| arm | {name} | tau | mean depth | mean V | unique actions | policy overhead |",
-             "|---|---|---|---|---|---|---|"]
-    rows = {**summary["resps"], **summary["baselines"]}
-    for arm, r in rows.items():
-        ov = r.get("policy_overhead_pct")
-        lines.append(f"| {arm} | {r[metric]:.3f} | {r['tau']:.3f} | {r['mean_depth']:.2f} | {r['mean_size']:.1f} | "
-                     f"{r.get('unique_actions', '-')} | {'-' if ov is None else f'{ov:.2f}%'} |")
+             runs.format_table(["arm", name, "tau", "mean depth", "mean V", "unique actions", "policy overhead"],
+                               rows, markdown=True)]
     t = summary["training"]
     lines += ["", f"PPO: {t['timesteps']} steps in {t['seconds']:.0f} s; best checkpoint at {t['best']['timesteps']} "
                   f"steps ({metric} {t['best'][metric]:.3f}); exported to {summary['export']}"]
@@ -576,16 +551,5 @@ def format_table(summary: dict) -> str:
 
 def split_prompts(keys: list[str], val_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:
     """Train / validation prompt keys (by a hash of the key; at least one of each)."""
-    from adaptree.data.splits import split_of
-
-    if len(keys) < 2:
-        raise ValueError(f"Re-SpS training needs at least 2 prompts (train + validation), got {len(keys)}")
-    fr = {"train": 1.0 - val_fraction, "validation": val_fraction}
-    tr = [k for k in keys if split_of(k, fr, seed) == "train"]
-    va = [k for k in keys if split_of(k, fr, seed) == "validation"]
-    if not va:
-        va, tr = tr[-1:], tr[:-1]
-    if not tr:
-        tr, va = va[:1], va[1:]
-    return tr, va
+    return split_by_key(keys, val_fraction, seed, both="Re-SpS training needs at least 2 prompts")
 

@@ -24,28 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from adaptree.core.controller import (
-    MAX_DEPTH,
-    Controller,
-    CycleContext,
-    TreePlan,
-    check_shape,
-)
+from adaptree.core.controller import MAX_DEPTH, StaticController, TreeShape, comma_list
 from adaptree.core.tree import DraftStep
 
 HEURISTICS = ("logsumexp", "best")
 
 
 @dataclass
-class DDDConfig:
+class DDDConfig(TreeShape):
     """DDD's hyperparameters as LTD ran it (threshold -0.3 checked after depths 5, 7 and 9)."""
 
-    width: int = 10
-    """Beam width W."""
     depth: int = 12
     """Maximum draft depth (LTD: 12 for the dynamic-depth baselines)."""
-    size: int = 60
-    """Verification size V."""
     threshold: float = -0.3
     """Stop if the heuristic (a log-probability, <= 0) is below this at a checked depth."""
     check_depths: tuple[int, ...] = (5, 7, 9)
@@ -54,15 +44,10 @@ class DDDConfig:
     """logsumexp (log of the beam's total path probability, DDD's) or best (the best path's log-prob)."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.depth, self.size)
+        super().__post_init__()
         if not self.threshold <= 0.0:
             raise ValueError(f"threshold is a log-probability and must be <= 0, got {self.threshold}")
-        if isinstance(self.check_depths, str):
-            try:
-                self.check_depths = tuple(int(x) for x in self.check_depths.split(",") if x.strip())
-            except ValueError:
-                raise ValueError(f"check_depths must be comma-separated integers, got {self.check_depths!r}") from None
-        self.check_depths = tuple(int(d) for d in self.check_depths)
+        self.check_depths = comma_list(self.check_depths, int, "check_depths")
         bad = [d for d in self.check_depths if not 1 <= d <= MAX_DEPTH]
         if bad:
             raise ValueError(f"check_depths must be in 1..{MAX_DEPTH}, got {bad[0]} in {self.check_depths}")
@@ -70,18 +55,15 @@ class DDDConfig:
             raise ValueError(f"heuristic must be one of {', '.join(HEURISTICS)}, got {self.heuristic!r}")
 
 
-class DDDController(Controller):
+class DDDController(StaticController):
     """Dynamic Depth Decoding: sparse checks of the beam's cumulative log-probability."""
 
     name = "ddd"
+    config_class = DDDConfig
 
     def __init__(self, config: DDDConfig | None = None) -> None:
-        self.config = config or DDDConfig()
-        self.plan = TreePlan(self.config.width, self.config.depth, self.config.size)
+        super().__init__(config)
         self._checks = frozenset(self.config.check_depths)
-
-    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        return self.plan
 
     def heuristic(self, beam_scores: torch.Tensor) -> float:
         """``H_d`` of a beam (scores descending)."""

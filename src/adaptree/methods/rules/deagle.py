@@ -39,22 +39,18 @@ from dataclasses import dataclass
 
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.controller import CycleContext, StaticController, TreePlan, TreeShape, comma_list
 from adaptree.core.tree import DraftStep
 
 VOTES = ("survival", "momentum", "expected")
 
 
 @dataclass
-class DeagleConfig:
+class DeagleConfig(TreeShape):
     """DEAGLE's hyperparameters (paper §3.4 and §4.1; tree shape from EAGLE-3 / LTD)."""
 
-    width: int = 10
-    """Beam width W: top-k per expansion and beam size."""
     depth: int = 12
     """Maximum draft depth (draft forwards per cycle); the votes usually stop earlier."""
-    size: int = 60
-    """Verification size V: draft nodes sent to the target."""
     tau_s: float = 0.15
     """Survival vote: stop if the top-k survival sum S_d is below this (paper: 0.15)."""
     tau_rho: float = 0.6
@@ -71,7 +67,7 @@ class DeagleConfig:
     """Stop once this many of the enabled votes are cast (paper: 2 of 3)."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.depth, self.size)
+        super().__post_init__()
         if not 0.0 < self.tau_s <= float(self.width):
             raise ValueError(f"tau_s must be in (0, W={self.width}], got {self.tau_s}")
         if not 0.0 < self.tau_rho <= 1.0:
@@ -82,9 +78,7 @@ class DeagleConfig:
             raise ValueError(f"top_k must be in 1..W={self.width} (or None for W), got {self.top_k}")
         if self.expected_offset < 0:
             raise ValueError(f"expected_offset must be >= 0, got {self.expected_offset}")
-        if isinstance(self.votes, str):
-            self.votes = tuple(v for v in self.votes.split(",") if v)
-        self.votes = tuple(self.votes)
+        self.votes = comma_list(self.votes, str)
         bad = [v for v in self.votes if v not in VOTES]
         if bad or not self.votes or len(set(self.votes)) != len(self.votes):
             raise ValueError(f"votes must be distinct names from {', '.join(VOTES)}, got {self.votes!r}")
@@ -92,14 +86,14 @@ class DeagleConfig:
             raise ValueError(f"min_votes must be in 1..{len(self.votes)} (the number of votes), got {self.min_votes}")
 
 
-class DeagleController(Controller):
+class DeagleController(StaticController):
     """DEAGLE's voting stop rule on EAGLE-3's tree (see the module docstring for the exact rule)."""
 
     name = "deagle"
+    config_class = DeagleConfig
 
     def __init__(self, config: DeagleConfig | None = None) -> None:
-        self.config = config or DeagleConfig()
-        self.plan = TreePlan(self.config.width, self.config.depth, self.config.size)
+        super().__init__(config)
         self._new_cycle()
 
     def _new_cycle(self) -> None:

@@ -23,27 +23,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from adaptree.core.controller import (
     MAX_DEPTH,
     Controller,
     CycleContext,
     TreePlan,
-    check_shape,
+    TreeShape,
 )
 from adaptree.core.records import CycleRecord
 
 
 @dataclass
-class GammatuneConfig:
+class GammatuneConfig(TreeShape):
     """Gammatune's hyperparameters as LTD ran it (depth in [0.5, 1.5] x default, rate 0.2)."""
 
-    width: int = 10
-    """Beam width W."""
     depth: int = 8
     """Default depth D0 (EAGLE-3's LTD baseline depth); the first cycle of a generation uses it."""
-    size: int = 60
-    """Verification size V."""
+    depth_name: ClassVar[str] = "depth (default depth D0)"
     rate: float = 0.2
     """eta: weight of the newest cycle's acceptance rate in the exponentially smoothed rate."""
     min_factor: float = 0.5
@@ -52,7 +50,7 @@ class GammatuneConfig:
     """Largest depth as a multiple of the default depth (gamma_max = 1.5 D0)."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.depth, self.size, depth_name="depth (default depth D0)")
+        super().__post_init__()
         if not 0.0 < self.rate <= 1.0:
             raise ValueError(f"rate (eta) must be in (0, 1], got {self.rate}")
         if not 0.0 < self.min_factor <= 1.0:
@@ -91,7 +89,7 @@ class GammatuneController(Controller):
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.current_depth = self.next_depth()
-        return TreePlan(self.config.width, self.current_depth, self.config.size)
+        return self.config.plan(self.current_depth)
 
     def end_cycle(self, record: CycleRecord) -> None:
         if record.depth <= 0:

@@ -30,22 +30,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.controller import StaticController, TreeShape
 from adaptree.core.tree import DraftStep
 
 SOURCES = ("best", "beam_min")
 
 
 @dataclass
-class SVIPConfig:
+class SVIPConfig(TreeShape):
     """SVIP's hyperparameters as LTD ran it (entropy factor 0.15, minimum entropy 0.3)."""
 
-    width: int = 10
-    """Beam width W."""
     depth: int = 12
     """Maximum draft depth (LTD: 12 for the dynamic-depth baselines)."""
-    size: int = 60
-    """Verification size V."""
     entropy_factor: float = 0.15
     """gamma: the cross-entropy / draft-entropy factor in SVIP's bound 1 - sqrt(gamma * H)."""
     min_entropy: float = 0.3
@@ -54,7 +50,7 @@ class SVIPConfig:
     """Whose distribution gives H_d: best (the best beam node's) or beam_min (the lowest over the beam)."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.depth, self.size)
+        super().__post_init__()
         if not (self.entropy_factor > 0.0 and math.isfinite(self.entropy_factor)):
             raise ValueError(f"entropy_factor must be a positive number, got {self.entropy_factor}")
         if not 0.0 < self.min_entropy < 1.0:
@@ -69,17 +65,11 @@ class SVIPConfig:
         return self.min_entropy ** 2 / self.entropy_factor
 
 
-class SVIPController(Controller):
+class SVIPController(StaticController):
     """SVIP's entropy stop rule on the best beam node (see the module docstring)."""
 
     name = "svip"
-
-    def __init__(self, config: SVIPConfig | None = None) -> None:
-        self.config = config or SVIPConfig()
-        self.plan = TreePlan(self.config.width, self.config.depth, self.config.size)
-
-    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        return self.plan
+    config_class = SVIPConfig
 
     def should_stop(self, entropy: float) -> bool:
         """The rule on one draft entropy H_d (nats)."""

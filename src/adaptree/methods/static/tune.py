@@ -15,9 +15,9 @@ and the last HumanEval problems (a benchmark with ``--limit`` below ``164 - n`` 
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from adaptree.core.controller import StaticConfig, StaticController
 
 if TYPE_CHECKING:
-    from adaptree.api import Pipeline
+    from adaptree.core.engine import Engine
 
 TUNED_FILE = "static_gs.json"
 
@@ -39,17 +39,23 @@ class TuneConfig:
     is a straw man."""
 
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12])
+    """Draft depths to try."""
     sizes: list[int] = field(default_factory=lambda: [2, 4, 6, 10, 20, 40, 60, 100, 160, 240])
+    """Verification sizes V to try."""
     widths: list[int] = field(default_factory=lambda: [10])
     """Beam widths W (EAGLE-3's 10 by default; give several to search W too)."""
     prompts: int = 12
     """Tuning prompts available (half ShareGPT validation, half HumanEval tail)."""
     first_round_prompts: int = 2
+    """Prompts every config is measured on in the first round."""
     eta: int = 3
     """Successive-halving factor: keep 1/eta of the configs, measure them on eta times the prompts."""
     max_new_tokens: int = 48
+    """Tokens per measured generation."""
     seed: int = 0
+    """Seed of the order the configs are measured in on each prompt."""
     out: str = "runs/tune-static"
+    """Search folder: tune.jsonl (resumed), tune_config.json, static_gs.json."""
 
     def __post_init__(self) -> None:
         for name, lo in (("depths", 1), ("sizes", 1), ("widths", 1)):
@@ -154,17 +160,22 @@ def successive_halving(cfg: TuneConfig, generate, prompt_ids: list[tuple[str, li
             "speedup_vs_ar": rounds[-1]["configs"][0]["speedup"], "rounds": rounds}
 
 
-def run_tune(cfg: TuneConfig, pipeline: Pipeline, command: str | None = None) -> dict:
-    """Search the static tree for ``pipeline``'s model and head on this machine; writes ``static_gs.json``."""
+def run_tune(cfg: TuneConfig, engine: Engine, encode: Callable[[str], list[int]], settings: dict,
+             command: str | None = None) -> dict:
+    """Search the static tree for ``engine``'s model and head on this machine; writes ``static_gs.json``.
+
+    :param encode: a prompt's text -> its token ids (the chat template applied when the model has one).
+    :param settings: what the measurements depend on (model, dtype, checksums, threads: the pipeline's
+        ``settings()``); a search folder is only resumed under the same ones.
+    """
     from adaptree.core.machine import machine_info
-    from adaptree.offline.runs import check_out_dir
+    from adaptree.offline.runs import check_out_dir, write_json
 
     out = check_out_dir(cfg.out)
     prompts = tuning_prompts(cfg.prompts)
-    if pipeline.head is None:
+    if engine.head is None:
         raise ValueError("tune-static needs a draft head: pass --draft PATH (or use a model that ships one)")
-    engine = pipeline.engine
-    ids = [(p.id, pipeline.encode(p.turns[0])[: engine.max_len // 2]) for p in prompts]
+    ids = [(p.id, encode(p.turns[0])[: engine.max_len // 2]) for p in prompts]
 
     def generate(conf, x):
         ctl = StaticController(StaticConfig(*conf)) if conf else None
@@ -172,7 +183,7 @@ def run_tune(cfg: TuneConfig, pipeline: Pipeline, command: str | None = None) ->
 
     generate((10, 4, 20), ids[0][1][:16])  # warm-up
     generate(None, ids[0][1][:16])
-    settings = {k: v for k, v in pipeline.settings().items() if k != "draft"}
+    settings = {k: v for k, v in settings.items() if k != "draft"}
     meta_path = out / "tune_config.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -183,9 +194,7 @@ def run_tune(cfg: TuneConfig, pipeline: Pipeline, command: str | None = None) ->
     choice.update(settings=settings, machine=machine_info(), tuning_prompts=[p.id for p in prompts],
                   command=command)
     path = out / TUNED_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(choice, indent=2))
-    os.replace(tmp, path)
+    write_json(choice, path)
     print(f"best static tree: W={choice['width']} depth={choice['depth']} V={choice['size']}: "
           f"{choice['tokens_per_s']:.1f} tok/s, {choice['speedup_vs_ar']:.2f}x AR on "
           f"{choice['rounds'][-1]['prompts']} tuning prompts")

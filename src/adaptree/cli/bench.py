@@ -1,0 +1,82 @@
+"""``adaptree bench``, ``report``, ``compare-hf`` and ``tune-static``: measured speed on this machine."""
+
+from __future__ import annotations
+
+from adaptree.cli import common
+from adaptree.cli.common import ConfigFlags, add_method_args, add_model_args, command_line
+
+
+def _bench_flags() -> ConfigFlags:
+    from adaptree.bench.runner import BenchConfig
+
+    return ConfigFlags(BenchConfig, positive=("limit", "turns", "max_new_tokens", "repeats"))
+
+
+def _compare_flags() -> ConfigFlags:
+    from adaptree.bench.hf_compare import CompareConfig
+
+    return ConfigFlags(CompareConfig, positive=("prompts", "max_new_tokens", "repeats"))
+
+
+def _tune_flags() -> ConfigFlags:
+    from adaptree.methods.static.tune import TuneConfig
+
+    return ConfigFlags(TuneConfig, positive=("prompts", "first_round_prompts", "max_new_tokens"))
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark methods side by side: speedup vs AR, tau, losslessness")
+    add_model_args(b)
+    _bench_flags().add(b.add_argument_group("benchmark"))
+    add_method_args(b)  # every arm gets its method's flags
+    b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("report", help="rebuild summary.json, report.md and the plots of a bench folder")
+    r.add_argument("folder", help="a bench --out folder (with results.jsonl and bench_config.json)")
+    r.set_defaults(func=cmd_report)
+
+    c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
+    add_model_args(c)
+    _compare_flags().add(c)
+    c.set_defaults(func=cmd_compare_hf)
+
+    t = sub.add_parser("tune-static", help="grid search (successive halving, measured tokens/s) for the static tree; "
+                                           "the choice is --method static-gs")
+    add_model_args(t)
+    _tune_flags().add(t)
+    t.set_defaults(func=cmd_tune_static)
+
+
+def cmd_bench(args) -> int:
+    from adaptree.bench.runner import run_bench
+
+    cfg = _bench_flags().build(args)
+    pipe = common.load_pipeline(args)
+    options = {m: common.method_options(args, m) for m in cfg.methods}
+    run_bench(cfg, pipe, options, command=command_line())
+    return 0
+
+
+def cmd_report(args) -> int:
+    from adaptree.bench.runner import rebuild_report
+
+    rebuild_report(args.folder)
+    return 0
+
+
+def cmd_compare_hf(args) -> int:
+    from adaptree.bench.hf_compare import run_compare
+
+    args.draft = "none"
+    cfg = _compare_flags().build(args)
+    run_compare(cfg, common.load_pipeline(args))
+    return 0
+
+
+def cmd_tune_static(args) -> int:
+    from adaptree.methods.static.tune import run_tune
+
+    cfg = _tune_flags().build(args)
+    pipe = common.load_pipeline(args)
+    run_tune(cfg, pipe.engine, pipe.encode, pipe.settings(), command=command_line())
+    return 0

@@ -1,0 +1,81 @@
+"""Re-SpS end to end from a loaded :class:`~adaptree.api.Pipeline` (what ``adaptree train resps`` runs): split the
+training prompts, record the traces the simulator needs, then PPO (:func:`~adaptree.methods.resps.train.train_resps`)
+on the simulator or the live engine, validated on either."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from adaptree.methods.resps.train import (
+    LiveValidator,
+    ReSpSTrainConfig,
+    SimValidator,
+    split_prompts,
+    train_resps,
+)
+from adaptree.offline.recording import TrainingPrompts, require_head, training_traces
+
+if TYPE_CHECKING:
+    from adaptree.offline.latency import LatencyModel
+
+VALIDATION = ("sim", "live")
+"""Where the held-out prompts are validated: in the simulator or on the live engine (tokens/s)."""
+
+
+def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | None,
+                    prompts: TrainingPrompts = TrainingPrompts(train_code=0, train_chat=64), *, live: bool = False,
+                    validation: str = "sim", feature_dtype: str = "float16",
+                    progress: bool = True) -> tuple[dict, list[str], list[str]]:
+    """Train a Re-SpS policy for ``pipeline``'s target and head.
+
+    :param latency: the simulator's latency model; needed unless both training (``live``) and ``validation`` are
+        live.
+    :param live: train online on the live engine with wall-clock rewards (the paper's mode) instead of the simulator.
+    :param validation: ``sim`` or ``live``.
+    :param feature_dtype: stored target features of the traces (the state is built from them).
+    :returns: the training summary, the training prompts' keys and the held-out ones.
+    """
+    if validation not in VALIDATION:
+        raise ValueError(f"validation must be one of {', '.join(VALIDATION)}, got {validation!r}")
+    sim_train, sim_val = not live, validation == "sim"
+    if (sim_train or sim_val) and latency is None:
+        raise ValueError("the simulator needs a latency model: pass --latency FILE (`adaptree calibrate`)")
+    require_head(pipeline, "Re-SpS training")
+    target, head = pipeline.target, pipeline.head
+    keyed = {f"{p.dataset}/{p.id}": p for p in prompts.prompts()}
+    train_keys, val_keys = split_prompts(list(keyed), cfg.val_fraction, cfg.seed)
+    traces = {}
+    if sim_train or sim_val:  # live training with simulator validation needs the held-out prompts' traces only
+        need = list(keyed) if sim_train else val_keys
+        folder = prompts.trace_folder(cfg.out)
+        for t in training_traces(pipeline, folder, [keyed[k] for k in need], prompts.max_new_tokens,
+                                 cfg.trace_widths(), cfg.trace_depth(), feature_dtype=feature_dtype, progress=progress):
+            traces[t.key] = t
+        if cfg.state != "embedding" and any(t.features is None for t in traces.values()):
+            raise ValueError(f"the traces in {folder} hold no target features (recorded with --feature-dtype none); "
+                             f"Re-SpS's state needs them: record into another folder")
+
+    def encoded(keys):
+        return [(k, pipeline.encode(keyed[k].turns[0])) for k in keys]
+
+    if sim_train:
+        from adaptree.offline.envs import SimSource
+
+        source = SimSource([traces[k] for k in train_keys], latency)
+    else:
+        from adaptree.offline.envs import LiveSource
+
+        source = LiveSource(pipeline.engine, [ids for _, ids in encoded(train_keys)],
+                            max_new_tokens=prompts.max_new_tokens)
+    if sim_val:
+        validator = SimValidator([traces[k] for k in val_keys], latency)
+    else:
+        validator = LiveValidator(pipeline.engine, encoded(val_keys), prompts.max_new_tokens)
+    from adaptree.offline.traces import head_fingerprint, model_fingerprint
+
+    facts = {"model": pipeline.model_label, "dtype": str(pipeline.dtype).removeprefix("torch."),
+             "max_new_tokens": prompts.max_new_tokens, "model_sha256": model_fingerprint(target),
+             "head_sha256": head_fingerprint(head), "train_prompts": train_keys}
+    summary = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=progress, facts=facts,
+                          tokenizer=pipeline.tokenizer)
+    return summary, train_keys, val_keys

@@ -1,0 +1,190 @@
+"""The public API (adaptree.load -> Pipeline), per-model assets and the package layering, on tiny models."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_head
+from test_models import save_hf
+
+import adaptree
+from adaptree.methods import METHODS, MissingAssetError
+from adaptree.models import load_target
+
+SRC = Path(adaptree.__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """A tiny HF model folder (with a word-level tokenizer and a chat template) and an EAGLE-3 head folder for it
+    that holds no policies and no tuned tree."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = save_hf("llama", root / "model")
+    target, _ = load_target(model)
+    tiny_head(target, seed=3).save_pretrained(root / "head", dtype=torch.float32)
+    return model, root / "head"
+
+
+class ToyTokenizer:
+    """Every id decodes to visible text (the tiny random model emits ids the saved word-level vocabulary lacks)."""
+
+    chat_template = "toy"
+    eos_token_ids = [2]
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + len(w) % 13 for w in text.split()]
+
+    def apply_chat(self, messages) -> list[int]:
+        return [1] + [i for m in messages for i in self.encode(m["content"])]
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_folders):
+    model, head = tiny_folders
+    loaded = adaptree.load(model, head=head, dtype="float32")
+    assert loaded.head_folder == head and loaded.dtype == torch.float32
+    return adaptree.api.Pipeline(loaded.target, ToyTokenizer(), loaded.head, model=str(model), head_folder=head)
+
+
+def test_generate_returns_text_ids_and_cycles(pipe):
+    ar = pipe.generate("the cat sat", method="ar", max_new_tokens=12)
+    st = pipe.generate("the cat sat", method="static", max_new_tokens=12, width=3, depth=3, size=6)
+    assert st.token_ids == ar.token_ids  # float32 greedy: lossless
+    assert st.text == pipe.tokenizer.decode(st.token_ids) and st.prompt_ids == pipe.encode("the cat sat")
+    assert st.method == "static" and st.cycles and st.tau >= 1.0 and ar.tau == 1.0
+    assert sum(c.emitted for c in st.cycles) + 1 >= len(st.token_ids) >= 1
+    # messages and ids are prompts too; a controller built elsewhere is accepted
+    msgs = [{"role": "user", "content": "the cat sat"}]
+    assert pipe.generate(msgs, max_new_tokens=12).token_ids == ar.token_ids
+    ctl = pipe.controller("deagle", width=3, depth=4, size=8)
+    assert pipe.generate(st.prompt_ids, controller=ctl, max_new_tokens=12).token_ids == ar.token_ids
+
+
+def test_stream_yields_the_text_and_can_be_closed(pipe):
+    whole = pipe.generate("the cat sat", method="static", max_new_tokens=16)
+    s = pipe.stream("the cat sat", method="static", max_new_tokens=16)
+    pieces = list(s)
+    assert len(pieces) > 1 and "".join(pieces) == whole.text and s.generation.token_ids == whole.token_ids
+    s = pipe.stream("the cat sat", method="ar", max_new_tokens=200)
+    next(iter(s))
+    s.close()  # stops at the next cycle; the engine is free again
+    assert s.generation is None
+    assert pipe.generate("the cat sat", method="ar", max_new_tokens=16).token_ids == whole.token_ids
+
+
+def test_bad_arguments_name_the_bad_value(pipe, tiny_folders):
+    with pytest.raises(ValueError, match="unknown method 'fast'"):
+        pipe.generate("hi", method="fast")
+    with pytest.raises(ValueError, match="method 'deagle'.*'wdith'"):
+        pipe.generate("hi", method="deagle", wdith=3)
+    with pytest.raises(ValueError, match="temperature"):
+        pipe.generate("hi", sampling={"temperature": -1.0})
+    with pytest.raises(ValueError, match="dtype 'float8'"):
+        adaptree.load(tiny_folders[0], head=None, dtype="float8")
+    with pytest.raises(ValueError, match="needs a draft head"):
+        adaptree.load(tiny_folders[0], head=None, dtype="float32").generate("hi", method="static")
+
+
+@pytest.mark.parametrize("method, command, missing", [
+    ("ltd", "adaptree train ltd", "ltd/depth/config.json"),
+    ("ltd-size", "adaptree train ltd", "ltd/size/config.json"),
+    ("radar", "adaptree radar train", "radar/config.json"),
+    ("resps", "adaptree train resps", "resps/config.json"),
+    ("static-gs", "adaptree tune-static", "static_gs.json"),
+])
+def test_missing_assets_name_the_model_the_file_and_the_command(pipe, tiny_folders, method, command, missing, capsys):
+    model, head = tiny_folders
+    with pytest.raises(MissingAssetError) as err:
+        pipe.generate("hi", method=method)
+    text = str(err.value)
+    assert str(model) in text and str(head / missing) in text and command in text, text
+    # the same on the command line: a clear error, exit code 2, no traceback
+    from adaptree.cli import main
+
+    code = main(["generate", "hi", "--model", str(model), "--draft", str(head), "--dtype", "float32",
+                 "--method", method, "--max-new-tokens", "4"])
+    err_text = capsys.readouterr().err
+    assert code == 2 and command in err_text and str(head / missing) in err_text and "Traceback" not in err_text
+
+
+def test_assets_next_to_the_head_in_use_are_found(pipe, tiny_folders, tmp_path):
+    import json
+    import shutil
+
+    _, head = tiny_folders
+    own = tmp_path / "head"
+    shutil.copytree(head, own)
+    (own / "static_gs.json").write_text(json.dumps({"width": 3, "depth": 2, "size": 5}))
+    p = adaptree.api.Pipeline(pipe.target, pipe.tokenizer, pipe.head, model="tiny", head_folder=own)
+    ctl = p.controller("static-gs")
+    assert (ctl.config.width, ctl.config.depth, ctl.config.size) == (3, 2, 5)
+
+
+# ------------------------------------------------------------------------------------------------ layering
+
+PACKAGES = ("core", "models", "data", "offline", "methods", "head_training", "bench", "api", "cli")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every adaptree module ``path`` imports (top level, in functions and under TYPE_CHECKING)."""
+    package = list(path.relative_to(SRC.parent).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.add(name)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {n for n in out if n == "adaptree" or n.startswith("adaptree.")}
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else None
+
+
+def test_the_library_never_imports_the_cli_and_packages_form_no_cycle():
+    edges: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for path in SRC.rglob("*.py"):
+        mod = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        src = _unit(mod)
+        if src is None:
+            continue
+        for dep in _imports(path):
+            dst = _unit(dep)
+            if dst == "cli":
+                assert src == "cli", f"{path.relative_to(SRC)} imports the command line ({dep})"
+            if dst and dst != src:
+                edges[src].add(dst)
+    # depth-first search for a cycle between packages
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle between packages: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for p in PACKAGES:
+        if p not in state:
+            visit(p, [])
+    assert "cli" not in set().union(*(edges[p] for p in PACKAGES if p != "cli"))
+
+
+def test_the_top_level_exports_resolve():
+    for name in adaptree.__all__:
+        assert getattr(adaptree, name) is not None
+    assert set(METHODS) >= {"ar", "static", "static-gs", "deagle", "ltd", "radar", "resps"}

@@ -1,0 +1,97 @@
+"""The command line's flags generated from typed configs (adaptree.cli.common)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+import pytest
+
+from adaptree.cli.common import ConfigFlags, field_doc, method_flags, method_options
+from adaptree.core.controller import TreeShape
+from adaptree.methods import REGISTRY, DeagleConfig, LTDConfig
+
+
+@dataclass
+class Example:
+    """A config with one field of every kind a flag is generated for."""
+
+    count: int = 3
+    """How many (``count`` of :class:`~adaptree.api.Pipeline`, 100% of them)."""
+    ratio: float = 0.5
+    name: str | None = "x"
+    """A name; None = none."""
+    sizes: tuple[int, ...] = (1, 2)
+    """Comma list."""
+    words: list[str] = field(default_factory=lambda: ["w"])
+    flag: bool = False
+    """Off by default."""
+    on: bool = True
+    """On by default."""
+    mode: str = "a"
+    """a or b."""
+
+
+def parse(flags: ConfigFlags, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    flags.add(p)
+    return p.parse_args(argv)
+
+
+def test_field_docs_come_from_the_class_that_declares_the_field():
+    assert field_doc(DeagleConfig, "depth").startswith("Maximum draft depth")  # DEAGLE's own
+    assert field_doc(DeagleConfig, "width") == field_doc(TreeShape, "width")  # inherited
+    assert field_doc(Example, "count") == "How many (count of Pipeline, 100%% of them)."
+    assert field_doc(Example, "name") == "A name; unset = none."
+    assert field_doc(Example, "ratio") == ""
+
+
+def test_config_flags_types_defaults_and_choices():
+    flags = ConfigFlags(Example, choices={"mode": ("a", "b")}, positive=("count",))
+    args = parse(flags, [])
+    assert flags.build(args) == Example()
+    args = parse(flags, ["--count", "4", "--ratio", "0.25", "--name", "", "--sizes", "3, 4", "--words", "",
+                         "--flag", "--no-on", "--mode", "b"])
+    assert flags.values(args) == {"count": 4, "ratio": 0.25, "name": None, "sizes": (3, 4), "words": [],
+                                  "flag": True, "on": False, "mode": "b"}
+    for bad in (["--mode", "c"], ["--count", "0"], ["--sizes", "x"], ["--sizes", ""]):
+        with pytest.raises(SystemExit):
+            parse(flags, bad)
+    p = argparse.ArgumentParser()
+    flags.add(p)
+    help_text = " ".join(p.format_help().split())
+    assert "How many (count of Pipeline, 100% of them). (default 3)" in help_text
+    assert "Comma list. (default 1,2)" in help_text and "(default x; empty = unset)" in help_text
+
+
+def test_renamed_and_unset_flags():
+    flags = ConfigFlags(Example, only=("count", "sizes"), prefix="ex", rename={"sizes": "size-list"}, unset=True)
+    assert flags.dests() == {"count": "ex_count", "sizes": "size_list"}
+    assert flags.values(parse(flags, [])) == {}
+    assert flags.values(parse(flags, ["--size-list", "5"])) == {"sizes": (5,)}
+
+
+def test_every_method_field_has_a_documented_flag():
+    shape = {f.name for f in fields(TreeShape)}
+    flags = method_flags()
+    for name, m in REGISTRY.items():
+        if m.config is None:
+            continue
+        for f in flags[name].fields():
+            assert field_doc(m.config, f.name), f"{name}.{f.name} has no docstring"
+        covered = set(flags[name].only or ()) | shape | {"mode"}
+        siblings = {a.option for n in ("ltd", "ltd-depth", "ltd-size") for a in REGISTRY[n].assets}
+        assert {f.name for f in fields(m.config)} - covered <= siblings, name
+    assert flags["ltd-depth"].only == ("depth_policy",) and flags["ltd-size"].only == ("size_policy",)
+    assert [flags["deagle"].flag(f) for f in ("tau_s", "votes")] == ["deagle-tau-s", "deagle-votes"]
+    assert flags["static-gs"].flag("tuned") == "tuned" and flags["ltd-size"].flag("size_policy") == "ltd-size-policy"
+
+
+def test_method_options_keep_each_methods_defaults():
+    from adaptree.cli import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["generate", "hi", "-D", "5", "--deagle-votes", "survival,expected"])
+    assert method_options(args, "deagle") == {"depth": 5, "votes": ("survival", "expected"), "min_votes": 2}
+    assert method_options(args, "resps") == {} and method_options(args, "hf_generate") == {}
+    assert LTDConfig(**method_options(args, "ltd")).depth == 5
