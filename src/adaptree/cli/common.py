@@ -60,7 +60,7 @@ def writable_file(path: str) -> Path:
     from adaptree.offline.runs import check_out_dir
 
     p = Path(path)
-    check_out_dir(p.parent)
+    check_out_dir(p.parent, for_file=str(path))
     return p
 
 

@@ -72,8 +72,9 @@ def dataclass_from_dict(cls: type[T], d: Mapping, what: str | None = None, allow
     return cls(**{k: v for k, v in d.items() if k in known})
 
 
-def check_out_dir(out: str | Path) -> Path:
-    """Create ``out`` and prove it writable before any model is loaded."""
+def check_out_dir(out: str | Path, for_file: str | None = None) -> Path:
+    """Create ``out`` and prove it writable before any model is loaded (``for_file``: the ``--out`` file that goes
+    in it, named in the error instead)."""
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -81,6 +82,8 @@ def check_out_dir(out: str | Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
+        if for_file is not None:
+            raise ValueError(f"--out {for_file!r}: cannot write in {str(out)!r}: {e.strerror or e}") from None
         raise ValueError(f"--out {str(out)!r} is not a writable folder: {e.strerror or e}") from None
     return path
 
