@@ -33,10 +33,10 @@ from adaptree.core.controller import Controller, TreePlan
 from adaptree.methods import StaticConfig, StaticController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController
 from adaptree.methods.ltd.train import evaluate
+from adaptree.models import shipped_head
 from adaptree.offline.latency import load_checked
 from adaptree.offline.oracle import fraction_of_oracle_gain, oracle_all
 from adaptree.offline.policy import MLPPolicy
-from adaptree.models import shipped_head
 from adaptree.offline.traces import TraceStore, acceptance_table, num_candidates
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)

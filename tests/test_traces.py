@@ -165,17 +165,118 @@ def test_context_limit_replay(models):
                         max_seq_len=28)
 
 
+TIE = 1e-4
+"""Score tolerance of the live-vs-replay tree comparison. The two compute the same cumulative log-probs
+with different float rounding (a few 1e-6 apart here), so candidates whose scores are closer than this
+may rank either way: in a beam's order, at the beam's cut-off, among a parent's top-W children, at V."""
+
+
+class PathTree:
+    """A drafted tree keyed by each candidate's root-to-node token path, which does not depend on the order
+    of near-tied candidates (their indices do). Checks the tree's own structure on the way: every level
+    but the last has a beam of W nodes, best first, whose W children each (distinct tokens) make the next
+    level; the beam the controller saw after each level is that of the candidates."""
+
+    def __init__(self, tokens, scores, parents, depths, width, beams_seen):
+        tokens, scores, parents, depths = (x.tolist() for x in (tokens, scores, parents, depths))
+        self.paths = []
+        for i, (t, p, d) in enumerate(zip(tokens, parents, depths)):
+            assert p < i and (p < 0) == (d == 1)
+            self.paths.append((self.paths[p] if p >= 0 else ()) + (t,))
+            assert len(self.paths[-1]) == d
+        self.score = dict(zip(self.paths, scores))
+        assert len(self.score) == len(self.paths)  # siblings carry distinct tokens: a path names one node
+        self.levels = [[x for x in self.paths if len(x) == d] for d in range(1, max(depths) + 1)]
+        assert len(self.levels[0]) == width
+        self.beams = []  # the beam of every level but the last, best first: the parents of the next level
+        self.children = {(): self.levels[0]}
+        for d, (bt, bs) in enumerate(beams_seen[:len(self.levels) - 1], 1):
+            next_parents = [p for p, dd in zip(parents, depths) if dd == d + 1]
+            beam = next_parents[::width]
+            assert len(beam) == width and all(depths[b] == d for b in beam)
+            assert next_parents == [b for b in beam for _ in range(width)]
+            assert bt.tolist() == [tokens[b] for b in beam] and bs.tolist() == [scores[b] for b in beam]
+            self.beams.append([self.paths[b] for b in beam])
+        assert len(self.beams) == len(self.levels) - 1
+        for x in self.paths[width:]:
+            self.children.setdefault(x[:-1], []).append(x)
+
+
+def assert_best_of(chosen, pool, score, tol, what):
+    """``chosen`` (a subset of ``pool``) are the best of ``pool`` by ``score``, up to ``tol`` at the cut-off."""
+    rest = [score[x] for x in pool if x not in chosen]
+    if chosen and rest:
+        low = min(score[x] for x in chosen)
+        assert low >= max(rest) - tol, f"{what}: kept {low}, left out {max(rest)}"
+
+
+def assert_ordered(seq, score, tol, what):
+    """``seq`` is best-first by ``score`` up to ``tol`` (a pair may swap only where the scores near-tie)."""
+    for k, x in enumerate(seq):
+        assert all(score[x] >= score[y] - tol for y in seq[k + 1:]), f"{what}: {x} out of order"
+
+
+def compare_trees(live, rep, live_logp, draft_id, sel_live, sel_rep):
+    """Assert the replayed tree ``rep`` is the live tree ``live`` up to float near-ties; return the largest
+    score difference over the candidates both have.
+
+    Where no two scores near-tie this is exact equality of the trees (tokens, parent paths, depths, beams
+    in order, selected set). Otherwise, a candidate in one tree only must descend from a beam difference, or
+    be a parent's W-th child near-tied with the other tree's W-th child (a child only the replay has is
+    scored with the live log-probs of its parent's distribution: its live score must match). Beams and the
+    selected sets must each be, among the candidates both trees have, the best by the *other* tree's scores
+    up to TIE: with each tree's own selection exact, a difference in membership then lies within TIE of both
+    cut-offs (or follows from candidates only one tree has), and a difference in order within TIE."""
+    assert len(live.levels) == len(rep.levels) and len(live.paths) == len(rep.paths)
+    worst = 0.0
+    for d, (lv_live, lv_rep) in enumerate(zip(live.levels, rep.levels)):
+        common = set(lv_live) & set(lv_rep)
+        assert common, f"level {d + 1}: no candidate in common"
+        worst = max([worst] + [abs(live.score[x] - rep.score[x]) for x in common])
+        for tree, other, only in ((live, rep, set(lv_live) - common), (rep, live, set(lv_rep) - common)):
+            for x in sorted(only):
+                p = x[:-1]
+                if p and (p not in other.score or p not in other.beams[d - 1]):
+                    continue  # its parent is only in tree, or only in tree's beam (checked at level d - 1)
+                cut = min(other.score[c] for c in other.children[p])  # the other's W-th child of p
+                if tree is live:  # just missed the replay's top-W children of p
+                    assert live.score[x] <= cut + TIE, f"{x}: only the live tree has it"
+                else:  # the live score of this child: its parent's plus the live log-prob of its token
+                    row = 0 if d == 0 else live.beams[d - 1].index(p)
+                    assert x[-1] in draft_id, f"{x}: only the replay has it, a token outside the draft vocabulary"
+                    s = live.score.get(p, 0.0) + float(live_logp[d][row, draft_id[x[-1]]])
+                    assert abs(s - rep.score[x]) <= TIE and s >= cut - TIE, f"{x}: only the replay has it"
+        if d < len(live.beams):
+            for tree, other in ((live, rep), (rep, live)):
+                beam = tree.beams[d]
+                assert_best_of(set(beam), tree.levels[d], tree.score, 0.0, f"level {d + 1} beam")  # its own top-W
+                assert_ordered(beam, tree.score, 0.0, f"level {d + 1} beam")
+                assert_best_of(set(beam) & common, common, other.score, TIE,
+                               f"level {d + 1} beam vs the other's scores")
+                assert_ordered([x for x in beam if x in common], other.score, TIE, f"level {d + 1} beam order")
+    common = set(live.paths) & set(rep.paths)
+    for sel, tree, other in ((sel_live, live, rep), (sel_rep, rep, live)):
+        assert len(sel) == len(sel_live) and sel <= set(tree.paths)
+        assert_best_of(sel, tree.paths, tree.score, 0.0, "selected")
+        assert_best_of(sel & common, common, other.score, TIE, "selected vs the other's scores")
+    return worst
+
+
 def test_replay_tree_equals_live_tree(models, traces):
-    """Every tree a live static run drafts has the recorded tokens, parents, depths and beams, and
-    scores equal to the last float bits (chunked vs single-prefill head cache, tree-verify vs full
-    forward features)."""
+    """Every tree a live static run drafts is the tree replayed from the trace: the same candidates (by
+    root-to-node token path: tokens, parents, depths), beams and selected top-60, with scores equal to
+    1e-4 (chunked vs single-prefill head cache, tree-verify vs full forward features). The two round
+    differently, so near-tied candidates (closer than TIE) may come in another order or, at a cut-off
+    (beam, a parent's top-W children, V), swap membership: compare_trees accepts exactly that."""
     target, head = models
     eng = Engine(target, head)
+    vocab = head.d2t.numel()
+    draft_id = dict(zip(head.draft_to_target(torch.arange(vocab)).tolist(), range(vocab)))
     seen = []
 
     class Capture(StaticController):
         def continue_drafting(self, step):
-            seen[-1][1].append((step.beam_tokens.clone(), step.beam_scores.clone()))
+            seen[-1][1].append((step.beam_tokens.clone(), step.beam_scores.clone(), step.logp.clone()))
             return True
 
         def begin_cycle(self, ctx):
@@ -184,7 +285,8 @@ def test_replay_tree_equals_live_tree(models, traces):
 
         def choose_size(self, tree, plan):
             seen[-1][1].append(tuple(x.clone() for x in (tree.candidate_tokens(), tree.candidate_scores(),
-                                                         tree.candidate_parents(), tree.candidate_depths())))
+                                                         tree.candidate_parents(), tree.candidate_depths(),
+                                                         tree.level_logp)))
             return plan.size
 
     worst = 0.0
@@ -193,19 +295,22 @@ def test_replay_tree_equals_live_tree(models, traces):
         eng.generate(prompt, Capture(StaticConfig(8, 12, 60)), max_new_tokens=N_NEW)
         for L, steps in seen:
             j = L - len(prompt)
+            (tok, sc, par, dep, last_logp), steps = steps[-1], steps[:-1]
+            assert len(steps) == 11
+            live = PathTree(tok, sc, par, dep, 8, [s[:2] for s in steps])
+            sel_live = {live.paths[i] for i in torch.sort(sc, descending=True, stable=True).indices[:60].tolist()}
             rt = ReplayTree(tr.width(8), j, int(tr.output[j]), L)
             rsteps = [rt.first_step()] + [rt.step() for _ in range(11)]
-            for (bt, bs), rs in zip(steps[:-1], rsteps):
-                assert torch.equal(bt, rs.beam_tokens)
-                worst = max(worst, float((bs - rs.beam_scores).abs().max()))
-            tok, sc, par, dep = steps[-1]
-            assert torch.equal(tok, rt.candidate_tokens())
-            assert torch.equal(par, rt.candidate_parents())
-            assert torch.equal(dep, rt.candidate_depths())
-            worst = max(worst, float((sc - rt.candidate_scores()).abs().max()))
-            vt_live_sel = torch.sort(sc, descending=True, stable=True).indices[:60].sort().values
+            rep = PathTree(rt.candidate_tokens(), rt.candidate_scores(), rt.candidate_parents(),
+                           rt.candidate_depths(), 8, [(s.beam_tokens, s.beam_scores) for s in rsteps])
             vt = rt.select(60)
-            assert torch.equal(vt.tokens[1:], tok[vt_live_sel])
+            assert int(vt.tokens[0]) == int(tr.output[j])
+            vpaths = [()]
+            for t, p, dd in zip(vt.tokens[1:].tolist(), vt.parents[1:].tolist(), vt.depth[1:].tolist()):
+                vpaths.append(vpaths[p] + (t,))
+                assert len(vpaths[-1]) == dd
+            worst = max(worst, compare_trees(live, rep, [s[2] for s in steps] + [last_logp], draft_id,
+                                             sel_live, set(vpaths[1:])))
     assert worst < 1e-4
 
 
