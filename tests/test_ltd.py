@@ -305,6 +305,9 @@ def test_training_pipeline_stages_export_and_resume(traces, tmp_path):
     chosen = simulate(ctl, [t for t in traces if t.key in s["val_prompts"]], LAT, measure_policy=False)
     assert chosen.speedup == pytest.approx(s["chosen"]["modelled_speedup"])
     assert not list((tmp_path / "run").rglob("*.zip")) and not list((tmp_path / "run").rglob("*.pkl"))
+    # a typed result: the run folder, the exported pair, and the summary it wrote
+    assert s.out == tmp_path / "run" and s.export == tmp_path / "run/policy" and (s.export / "depth").is_dir()
+    assert json.loads((s.out / "summary.json").read_text()) == json.loads(json.dumps(dict(s)))
     # resume: finished stages are not run again
     mtimes = {p: p.stat().st_mtime for p in (tmp_path / "run").glob("*/log.csv")}
     again = train_ltd(cfg, traces, LAT, progress=False)

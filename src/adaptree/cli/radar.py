@@ -77,7 +77,7 @@ def cmd_radar_train(args) -> int:
     cfg = _train_flags().build(args, t_policy=t_policy)
     s = train_radar(cfg, progress=not args.quiet)
     if args.json:
-        print(json.dumps(s))
+        print(json.dumps(dict(s)))
         return 0
     print(f"{s['train_cycles']} training / {s['val_cycles']} validation cycles; beta {s['beta']:.4g}")
     for a, m in s["grid"].items():

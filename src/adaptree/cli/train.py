@@ -104,7 +104,7 @@ def cmd_train_ltd(args) -> int:
     latency = require_latency(args.latency)  # before the models load
     s = train_ltd_for(common.load_pipeline(args), cfg, latency, prompts, live=args.live, progress=not args.quiet)
     if args.json:
-        print(json.dumps(s))
+        print(json.dumps(dict(s)))
         return 0
     print(f"{len(s['train_prompts'])} training / {len(s['val_prompts'])} validation prompts; "
           f"{s['train_seconds_all_stages']:.0f} s of PPO in all stages")
@@ -136,7 +136,7 @@ def cmd_train_resps(args) -> int:
                                               validation=args.val, feature_dtype=args.feature_dtype,
                                               progress=not args.quiet)
     if args.json:
-        print(json.dumps(s))
+        print(json.dumps(dict(s)))
         return 0
     if s.get("interrupted"):
         print(f"time budget reached after {s['timesteps']} PPO steps; checkpoint in {s['checkpoint']}: rerun the "

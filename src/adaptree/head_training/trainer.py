@@ -483,9 +483,9 @@ def load_target_for(cfg: TrainHeadConfig):
 
 
 def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[ConversationItem] | None = None,
-               prompt_ids_fn=None, model_name: str | None = None) -> dict:
-    """Run all stages (see the module docstring); returns the training summary (also written to
-    ``out/training_summary.json``). ``target``/``tok``/``items``/``prompt_ids_fn`` override the model
+               prompt_ids_fn=None, model_name: str | None = None) -> runs.TrainingResult:
+    """Run all stages (see the module docstring); returns the run folder, the exported head and the training
+    summary (also written to ``out/training_summary.json``). ``target``/``tok``/``items``/``prompt_ids_fn`` override the model
     and the ShareGPT prompts (tests)."""
     from adaptree.core.machine import machine_info
 
@@ -563,7 +563,7 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     text = json.dumps(summary, indent=2, default=str)
     (out / "training_summary.json").write_text(text)
     (export / "training_summary.json").write_text(text)
-    return summary
+    return runs.TrainingResult(out, export, summary)
 
 
 __all__ = ["HeadTrainer", "TrainHeadConfig", "find_checkpoint", "load_checkpoint", "lr_factor", "make_batches",

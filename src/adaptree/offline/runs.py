@@ -11,8 +11,8 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, fields
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -300,3 +300,31 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence], markdown: bool
         return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
     return "\n".join([line(header), "-" * (sum(widths) + 2 * (len(widths) - 1))] + [line(r) for r in rows])
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingResult(Mapping[str, Any]):
+    """What a trainer returns: its run folder, the exported policy (or head) folder, and its summary (what the
+    run's summary file holds). It reads as that summary too: ``result["chosen"]``, ``dict(result)``."""
+
+    out: Path
+    """The run folder (checkpoints, logs, summary file)."""
+    export: Path
+    """The exported policy or head folder: what to ship next to a head, or pass as a method's policy."""
+    summary: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.summary[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.summary)
+
+    def __len__(self) -> int:
+        return len(self.summary)
+
+    @classmethod
+    def written(cls, summary: dict[str, Any], out: str | os.PathLike, export: str | os.PathLike,
+                name: str = "summary.json") -> TrainingResult:
+        """Write ``summary`` to ``out/name`` (atomically) and return it as a result."""
+        write_json(summary, Path(out) / name)
+        return cls(Path(out), Path(export), summary)

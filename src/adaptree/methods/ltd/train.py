@@ -52,6 +52,7 @@ from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
 from adaptree.offline.runs import (
+    TrainingResult,
     CsvLog,
     dataclass_from_dict,
     pin_settings,
@@ -310,7 +311,7 @@ def _settings(cfg: LTDTrainConfig, fingerprints: dict) -> dict:
     return settings_of(cfg, skip=("out", "threads", "eval_every"), extra={"fingerprints": fingerprints})
 
 
-def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> dict:
+def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> TrainingResult:
     """Run every stage (skipping finished ones), compare Iter0..IterN on validation, export the best pair.
 
     :param traces: greedy traces of training prompts (split here into train / validation by prompt).
@@ -374,11 +375,10 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
                "stages": results, "iterations": table, "chosen": best, "baselines_val": baselines,
                "train_seconds_this_run": time.perf_counter() - t_start,
                "train_seconds_all_stages": sum(r["seconds"] for r in results.values()), "export": str(export)}
-    write_json(summary, out / "summary.json")
-    return summary
+    return TrainingResult.written(summary, out, export)
 
 
-def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start) -> dict:
+def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start) -> TrainingResult:
     """``only``: export the one stage-1 policy; summary with its validation next to the static default."""
     name = f"stage1-{cfg.only}"
     stage = _Stage(name, cfg, None)
@@ -393,8 +393,7 @@ def _finish_single(cfg, out: Path, settings, train, val, results, policies, late
                "train_seconds_this_run": time.perf_counter() - t_start,
                "train_seconds_all_stages": sum(r["seconds"] for r in results.values()),
                "export": str(out / "policy")}
-    write_json(summary, out / "summary.json")
-    return summary
+    return TrainingResult.written(summary, out, out / "policy")
 
 
 def config_from_dict(d: dict) -> LTDTrainConfig:

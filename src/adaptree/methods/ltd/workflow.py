@@ -7,17 +7,18 @@ from typing import TYPE_CHECKING
 
 from adaptree.methods.ltd.train import LTDTrainConfig, train_ltd
 from adaptree.offline.recording import TrainingPrompts, training_traces
+from adaptree.offline.runs import TrainingResult
 
 if TYPE_CHECKING:
     from adaptree.offline.latency import LatencyModel
 
 
 def train_ltd_for(pipeline, cfg: LTDTrainConfig, latency: LatencyModel,
-                  prompts: TrainingPrompts = TrainingPrompts(), *, live: bool = False, progress: bool = True) -> dict:
+                  prompts: TrainingPrompts = TrainingPrompts(), *, live: bool = False, progress: bool = True) -> TrainingResult:
     """Train LTD's policies for ``pipeline``'s target and head: the greedy traces of ``prompts`` (recorded into
     ``prompts.traces`` or ``cfg.out``/traces when missing), then :func:`~adaptree.methods.ltd.train.train_ltd` on
     the simulator with ``latency``, or on the live engine with wall-clock rewards when ``live`` (validation stays on
-    the simulator). Returns the training summary."""
+    the simulator). Returns the run folder, the exported pair and the training summary."""
     chosen = prompts.prompts()
     traces = training_traces(pipeline, prompts.trace_folder(cfg.out), chosen, prompts.max_new_tokens, (cfg.width,),
                              cfg.max_depth, progress=progress)

@@ -39,6 +39,7 @@ import torch
 from adaptree.methods.radar.policy import CONTINUE, STOP, RadarModelConfig, RadarPolicy
 from adaptree.offline.policy import load_strict
 from adaptree.offline.runs import (
+    TrainingResult,
     CsvLog,
     load_optimizer_tensors,
     optimizer_tensors,
@@ -390,7 +391,7 @@ def load_latency(cfg: RadarTrainConfig):
     return LatencyModel.load(cfg.latency)
 
 
-def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
+def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     """Train the alpha grid on ``cfg.data`` and export the best policy to ``cfg.out/policy``; returns the
     summary (also written to ``cfg.out/summary.json``)."""
     from adaptree.methods.radar.dataset import RadarStore
@@ -438,8 +439,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> dict:
                "beta": beta, "chosen_alpha": best, "policy": str(out / "policy"),
                "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "val_static": static_baselines(val),
                "settings": settings, "dataset_settings": st.to_dict()}
-    write_json(summary, out / "summary.json")
-    return summary
+    return TrainingResult.written(summary, out, out / "policy")
 
 
 def measure_policy_seconds(width: int = 10, max_depth: int = 8, hidden: int = 128, repeats: int = 300) -> float:

@@ -65,6 +65,7 @@ from adaptree.offline import runs
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
 from adaptree.offline.runs import (
+    TrainingResult,
     CsvLog,
     pin_settings,
     settings_of,
@@ -341,7 +342,7 @@ LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "ap
 
 
 def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress: bool = True,
-                facts: dict | None = None, tokenizer=None) -> dict:
+                facts: dict | None = None, tokenizer=None) -> TrainingResult:
     """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
 
     :param source: a :class:`~adaptree.rl.envs.SimSource` (training traces + latency model) or a
@@ -516,9 +517,9 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                "training": result, "resps": intervals, "baselines": validator.baselines(cfg),
                "chosen_interval": cfg.val_interval, "export": str(export),
                "summary_seconds": time.perf_counter() - t_start}
-    write_json(summary, out / "summary.json")
+    result = TrainingResult.written(summary, out, export)
     (out / "summary.md").write_text(format_table(summary) + "\n")
-    return summary
+    return result
 
 
 def _append_final(log: CsvLog, state: dict, validator, ev: dict) -> None:

@@ -14,6 +14,7 @@ from adaptree.methods.resps.train import (
     train_resps,
 )
 from adaptree.offline.recording import TrainingPrompts, require_head, training_traces
+from adaptree.offline.runs import TrainingResult
 
 if TYPE_CHECKING:
     from adaptree.offline.latency import LatencyModel
@@ -25,7 +26,7 @@ VALIDATION = ("sim", "live")
 def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | None,
                     prompts: TrainingPrompts = TrainingPrompts(train_code=0, train_chat=64), *, live: bool = False,
                     validation: str = "sim", feature_dtype: str = "float16",
-                    progress: bool = True) -> tuple[dict, list[str], list[str]]:
+                    progress: bool = True) -> tuple[TrainingResult, list[str], list[str]]:
     """Train a Re-SpS policy for ``pipeline``'s target and head.
 
     :param latency: the simulator's latency model; needed unless both training (``live``) and ``validation`` are
