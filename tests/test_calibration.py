@@ -164,6 +164,8 @@ def test_check_machine_names_both_machines(tmp_path, capsys):
     old_style = LatencyModel(meta={"threads": here["torch_threads"] + 3})  # calibrate() before meta["machine"]
     assert len(check_machine(old_style)) == 1 and "torch threads" in check_machine(old_style)[0]
     assert "records no machine" in check_machine(LatencyModel())[0]
+    kernels = check_machine(LatencyModel(meta={"machine": {**here, "cpu_capability": "SOME_OTHER_ISA"}}))
+    assert len(kernels) == 1 and "PyTorch CPU kernels 'SOME_OTHER_ISA'" in kernels[0]
     gpu = check_machine(LatencyModel(meta={"machine": {**here, "gpu": "Some GPU"}}), current={**here})
     assert len(gpu) == 1 and "'Some GPU'" in gpu[0] and "None" in gpu[0]
     other.save(tmp_path / "lat.json")
@@ -263,3 +265,28 @@ def test_simulate_warns_about_a_latency_model_from_another_machine(tmp_path, mod
     assert main(["simulate", "--traces", str(tmp_path / "tr"), "--method", "static", "-W", "4", "-D", "3", "-V", "8",
                  "--latency", str(tmp_path / "same.json")]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_machine_profile_records_the_kernels_that_run():
+    """Two kernel settings on one CPU time differently, so the profile tells them apart (ATEN_CPU_CAPABILITY and
+    ONEDNN_MAX_CPU_ISA make this machine run an older CPU's kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    from adaptree.core.machine import CPU_FLAGS, machine_info
+
+    here = machine_meta()
+    assert {"cpu", "cpu_flags", "cpu_capability", "onednn_max_isa", "cores", "torch_threads", "torch"} <= set(here)
+    assert set(here["cpu_flags"]) <= set(CPU_FLAGS) and here["cpu_capability"]
+    assert set(here) <= set(machine_info())
+    code = "import json; from adaptree.core.machine import machine_profile; print(json.dumps(machine_profile()))"
+    env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    low = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True, timeout=120).stdout)
+    assert low["cpu_capability"] == "DEFAULT" and low["onednn_max_isa"] == "SSE41"
+    assert low["cpu"] == here["cpu"] and low["cpu_flags"] == here["cpu_flags"]  # same CPU, other kernels
+    msgs = check_machine(LatencyModel(meta={"machine": low}), current=here)
+    if here["cpu_capability"] != "DEFAULT":
+        assert any("PyTorch CPU kernels 'DEFAULT'" in m for m in msgs)
+    assert any("oneDNN ISA limit 'SSE41'" in m for m in msgs) or here["onednn_max_isa"] == "SSE41"

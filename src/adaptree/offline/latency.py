@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -212,14 +211,11 @@ def _knot_fit(n: np.ndarray, L: np.ndarray, t: np.ndarray) -> tuple[list[int], l
 
 
 def machine_meta() -> dict:
-    """The machine timings are measured on: CPU model, cores, torch threads and version, platform, GPU."""
-    from adaptree.core.machine import cpu_model
+    """The machine timings are measured on (:func:`adaptree.core.machine.machine_profile`): CPU model and flags,
+    PyTorch's and oneDNN's kernel levels, cores, torch threads and version, platform, GPU."""
+    from adaptree.core.machine import machine_profile
 
-    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "platform": platform.platform()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
+    return machine_profile()
 
 
 def check_machine(model: LatencyModel, current: dict | None = None) -> list[str]:
@@ -236,7 +232,8 @@ def check_machine(model: LatencyModel, current: dict | None = None) -> list[str]
                 f"(CPU {here.get('cpu')!r}, {here.get('torch_threads')} torch threads): measure it here with "
                 "`adaptree calibrate`"]
     out = []
-    for key, what in (("cpu", "CPU"), ("torch_threads", "torch threads"), ("gpu", "GPU")):
+    for key, what in (("cpu", "CPU"), ("torch_threads", "torch threads"), ("cpu_capability", "PyTorch CPU kernels"),
+                      ("onednn_max_isa", "oneDNN ISA limit"), ("gpu", "GPU")):
         a, b = there.get(key), here.get(key)
         if key == "gpu" and a is None and b is None:
             continue
