@@ -172,8 +172,7 @@ class Pipeline:
         from adaptree.models import model_sha256, sha256_file
 
         head = self.head_folder
-        dtype = next(name for name, d in DTYPES.items() if d == self.dtype)
-        return {"model": self.model_label, "dtype": dtype, "model_sha256": model_sha256(self.model),
+        return {"model": self.model_label, "dtype": self.dtype_name, "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
 
@@ -193,13 +192,21 @@ class Pipeline:
         """``static`` with a draft head, else ``ar``."""
         return "static" if self.head is not None else "ar"
 
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as :func:`load` takes it (``"bfloat16"``, ...)."""
+        return next(name for name, d in DTYPES.items() if d == self.dtype)
+
+    def use_chat(self, chat: bool | None = None) -> bool:
+        """Whether a text prompt goes through the chat template: ``chat``, or (None) when the model has one."""
+        return bool(self.tokenizer.chat_template) if chat is None else chat
+
     def encode(self, prompt: str | Messages | Sequence[int], chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: a string (through the chat template when the model has one and ``chat`` is
         not False), a list of chat messages, or ids (returned as they are)."""
         tok = self.tokenizer
         if isinstance(prompt, str):
-            use_chat = bool(tok.chat_template) if chat is None else chat
-            if use_chat:
+            if self.use_chat(chat):
                 if not tok.chat_template:
                     raise ValueError("chat=True was given but this model has no chat template")
                 return tok.apply_chat([{"role": "user", "content": prompt}])
@@ -271,8 +278,8 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         process (None leaves it alone).
     :param max_seq_len: context limit (default: the model's, at most 8192).
     """
-    from adaptree.models.eagle3 import Eagle3Head
     from adaptree.models import load_model, shipped_head
+    from adaptree.models.eagle3 import Eagle3Head
 
     dt = dtype_of(dtype)
     if threads is not None:

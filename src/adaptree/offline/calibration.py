@@ -311,11 +311,11 @@ def calibrate_pipeline(pipeline, prompts: Sequence, cfg: CalibrationConfig, out,
 
     import torch
 
-    from adaptree.offline.recording import require_head, use_chat
+    from adaptree.offline.recording import require_head
     from adaptree.offline.traces import head_fingerprint, model_fingerprint
 
     require_head(pipeline, "calibrating")
-    chat = use_chat(pipeline, chat)
+    chat = pipeline.use_chat(chat)
     ids = [pipeline.encode(p.turns[0], chat) for p in prompts]
     if cfg.shapes and not ids:
         raise ValueError("validation needs prompts: give --datasets or --question-file (or --validate '' to skip)")

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from adaptree.data.prompts import Prompt
-from adaptree.offline.traces import PromptTrace, TraceSettings, TraceStore, open_store_for
+from adaptree.offline.traces import (
+    PromptTrace,
+    TraceSettings,
+    TraceStore,
+    open_store_for,
+)
 
 
 def tokenizer_digest(tok) -> str:
@@ -39,11 +44,6 @@ def require_head(pipeline, what: str) -> None:
         raise ValueError(f"{what} needs a draft head: pass --draft PATH (or use a model that ships one)")
 
 
-def use_chat(pipeline, chat: bool | None) -> bool:
-    """Whether prompts go through the chat template: ``chat``, or (None) when the model has one."""
-    return bool(pipeline.tokenizer.chat_template) if chat is None else chat
-
-
 def record_prompts(pipeline, folder: str | os.PathLike, prompts: Sequence[Prompt], *,
                    widths: Sequence[int] = (10,), max_depth: int = 12, max_new_tokens: int = 256,
                    feature_dtype: str = "float16", chat: bool | None = None,
@@ -54,7 +54,7 @@ def record_prompts(pipeline, folder: str | os.PathLike, prompts: Sequence[Prompt
     :param chat: apply the model's chat template (None: when the model has one).
     """
     require_head(pipeline, "recording traces")
-    chat = use_chat(pipeline, chat)
+    chat = pipeline.use_chat(chat)
     settings = TraceSettings(widths=tuple(widths), max_depth=max_depth, max_new_tokens=max_new_tokens,
                              eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
                              feature_dtype=feature_dtype, extra=encoding_extra(pipeline, chat))

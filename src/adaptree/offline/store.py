@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from adaptree.offline.runs import write_json
+
 # --------------------------------------------------------------------------------------------------
 # fingerprints
 # --------------------------------------------------------------------------------------------------
@@ -161,12 +163,6 @@ def check_fingerprints(found: Mapping[str, str], expect: Mapping[str, str | None
                              f"expected {v[:12]}...); {fmt.remedy.format(what=what)}")
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------------------------------
 # the folder
 # --------------------------------------------------------------------------------------------------
@@ -194,7 +190,7 @@ class FingerprintedStore:
             self.folder.mkdir(parents=True, exist_ok=True)
             manifest = {"version": fmt.version, "fingerprints": dict(fingerprints), "settings": settings.to_dict(),
                         "settings_sha256": settings.fingerprint()}
-            _write_json(self.manifest_path, manifest)
+            write_json(manifest, self.manifest_path, sort_keys=True)
         else:
             manifest = json.loads(self.manifest_path.read_text())
             if manifest.get("version") != fmt.version:

@@ -8,7 +8,7 @@ import os
 from dataclasses import replace
 
 from adaptree.methods.radar.dataset import RadarDataSettings, RadarStore
-from adaptree.offline.recording import encoding_extra, require_head, use_chat
+from adaptree.offline.recording import encoding_extra, require_head
 
 
 def record_radar_dataset(pipeline, out: str | os.PathLike, settings: RadarDataSettings = RadarDataSettings(),
@@ -27,7 +27,7 @@ def record_radar_dataset(pipeline, out: str | os.PathLike, settings: RadarDataSe
     from adaptree.offline.traces import head_fingerprint, model_fingerprint
 
     require_head(pipeline, "a RADAR dataset")
-    chat = use_chat(pipeline, chat)
+    chat = pipeline.use_chat(chat)
     settings = replace(settings, max_seq_len=pipeline.max_seq_len, eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids),
                        extra=(*encoding_extra(pipeline, chat), ("split_seed", str(split_seed))))
     store = RadarStore(out, {"model": model_fingerprint(pipeline.target), "head": head_fingerprint(pipeline.head)},

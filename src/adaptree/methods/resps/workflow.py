@@ -74,7 +74,7 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
         validator = LiveValidator(pipeline.engine, encoded(val_keys), prompts.max_new_tokens)
     from adaptree.offline.traces import head_fingerprint, model_fingerprint
 
-    facts = {"model": pipeline.model_label, "dtype": str(pipeline.dtype).removeprefix("torch."),
+    facts = {"model": pipeline.model_label, "dtype": pipeline.dtype_name,
              "max_new_tokens": prompts.max_new_tokens, "model_sha256": model_fingerprint(target),
              "head_sha256": head_fingerprint(head), "train_prompts": train_keys}
     summary = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=progress, facts=facts,
