@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The suite never measures the machine on its own (adaptree.load and the CLI would on a first use): tests that
+# exercise the machine setup turn it on explicitly, with a cache folder of their own. Subprocesses inherit this.
+os.environ["ADAPTREE_ADAPT"] = "0"
 
 from adaptree.models.config import ModelConfig
 from adaptree.models.eagle3 import Eagle3Head
@@ -37,24 +43,29 @@ def tiny_head(target: Transformer, draft_vocab: int | None = None, seed: int = 1
     return Eagle3Head.init_for_target(target, draft_vocab or vocab, counts, seed=seed).eval()
 
 
+TINY_THREADS = int(os.environ.get("ADAPTREE_TEST_THREADS") or 1)
+"""Torch threads of the tests on tiny models: 1 (they run faster so: no spin-waiting on a shared 2-core
+machine) unless ADAPTREE_TEST_THREADS says otherwise (docs/testing.md: the suite at other thread counts)."""
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_models(request):
-    """Tiny models run faster on one thread (no spin-waiting on a shared 2-core machine); the slow
-    end-to-end tests on the real model keep torch's default."""
+    """Tiny models run on TINY_THREADS threads; the slow end-to-end tests on the real model keep torch's
+    default (OMP_NUM_THREADS sets it)."""
     if request.node.get_closest_marker("slow"):
         yield
         return
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TINY_THREADS)
     yield
     torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def models():
-    """A tiny target and its head (12-token draft vocabulary), shared by a test module, on one thread."""
+    """A tiny target and its head (12-token draft vocabulary), shared by a test module, on TINY_THREADS."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TINY_THREADS)
     target = tiny_target()
     yield target, tiny_head(target, draft_vocab=12)
     torch.set_num_threads(before)

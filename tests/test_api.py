@@ -188,3 +188,36 @@ def test_the_top_level_exports_resolve():
     for name in adaptree.__all__:
         assert getattr(adaptree, name) is not None
     assert set(METHODS) >= {"ar", "static", "static-gs", "deagle", "ltd", "radar", "resps"}
+
+
+def test_load_without_adapting_never_measures(tiny_folders, tmp_path, monkeypatch):
+    """adapt=False: no measurement (no cache folder appears), dtype auto falls back without timing, default ar."""
+    import adaptree
+    from adaptree.adapt.setup import fallback_dtype
+
+    model, head = tiny_folders
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ADAPTREE_CACHE", str(cache))
+    p = adaptree.load(model, head=head, adapt=False)
+    assert p.machine is None and p.default_method == "ar"
+    assert p.dtype_name == fallback_dtype("cpu")
+    assert not (cache / "machines").exists()
+
+
+def test_load_measures_once_then_finds_the_setup(tiny_folders, tmp_path, monkeypatch, capsys):
+    """The first load measures (one line saying so, dtype chosen among bfloat16 and float32), the second finds
+    the cached setup and dtype without measuring; the default method comes from the setup."""
+    import adaptree
+
+    model, head = tiny_folders
+    monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path / "cache"))
+    p = adaptree.load(model, head=head, adapt=True, progress=False)
+    err = capsys.readouterr().err
+    assert "choosing the dtype by measurement" in err and err.count("measuring this machine once") == 2
+    assert p.machine is not None and p.dtype_name in ("bfloat16", "float32")
+    assert p.default_method == p.machine.default_method != "static"
+    again = adaptree.load(model, head=head, adapt=True, progress=False)
+    assert capsys.readouterr().err == "" and again.dtype_name == p.dtype_name
+    assert again.machine.to_dict() == p.machine.to_dict()
+    text = again.generate("one two three", max_new_tokens=6).text
+    assert isinstance(text, str)

@@ -281,8 +281,15 @@ def test_cli_flags_reach_every_method(tmp_path):
 
     MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
                               observation=ReSpSState(32).to_dict())).save(tmp_path / "resps")
+    from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+    from adaptree.offline.latency import LatencyModel
+
+    LatencyModel([1e-3, 0, 0, 0], [2e-3, 1e-4, 0, 0]).save(tmp_path / "latency.json")
+    AcceptanceCalibration([-5.0, 0.0], [0.1, 0.9], [0.6, 0.2]).save(tmp_path / "acceptance.json")
     p = build_parser()
-    args = p.parse_args(["bench", "-W", "4", "--deagle-tau-s", "0.2", "--deagle-votes", "expected",
+    args = p.parse_args(["bench", "-W", "4", "--costaware-latency", str(tmp_path / "latency.json"),
+                         "--costaware-acceptance", str(tmp_path / "acceptance.json"), "--costaware-probe-every", "3",
+                         "--deagle-tau-s", "0.2", "--deagle-votes", "expected",
                          "--ddd-threshold", "-0.5", "--ddd-check-depths", "3,4", "--svip-min-entropy", "0.4",
                          "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar"),
                          "--ltd-depth-policy", str(tmp_path / "ltd-depth"),
@@ -303,6 +310,8 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert built["ltd-depth"].size_policy is None and built["ltd-depth"].plan.size == 60
     assert built["ltd-size"].depth_policy is None and built["ltd-size"].plan.max_depth == 8
     assert built["resps"].config.interval == 30 and len(built["resps"].plans) == 177
+    ca = built["costaware"]
+    assert (ca.config.width, ca.config.probe_every) == (4, 3) and ca.calibration.alpha == 0.6
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--depth", "18", "--deagle-min-votes", "3"])
     assert build_controller(args, head=object()).config.depth == 18
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])

@@ -28,7 +28,7 @@ from adaptree.core.verify import SamplingConfig
 from adaptree.methods import make_controller
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names :func:`load` takes."""
+"""The dtype names :func:`load` takes (and ``"auto"``: chosen by measurement on this machine)."""
 
 Messages = Sequence[dict[str, str]]
 """A conversation: ``[{"role": "user", "content": "..."}, ...]``."""
@@ -159,6 +159,9 @@ class Pipeline:
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.engine = Engine(target, head, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=max_seq_len)
+        self.machine = None
+        """This machine's setup (:class:`~adaptree.adapt.MachineSetup`: latency model, static tree, default method),
+        set by :func:`load` or :meth:`adapt`; None: nothing measured here yet."""
 
     @property
     def model_label(self) -> str:
@@ -189,8 +192,19 @@ class Pipeline:
 
     @property
     def default_method(self) -> str:
-        """``static`` with a draft head, else ``ar``."""
-        return "static" if self.head is not None else "ar"
+        """The method that models fastest on this machine (:attr:`machine`); ``ar`` without a draft head or before
+        anything was measured here (adaptree cannot know that a tree pays on a machine it never timed)."""
+        if self.head is None or self.machine is None:
+            return "ar"
+        return self.machine.default_method
+
+    def adapt(self, config=None, *, force: bool = False, progress: bool = True):
+        """Measure this machine for this model, head, dtype and thread count (:func:`adaptree.adapt.adapt`: latency
+        model, traces, static tree, default method), or take the cached result; sets and returns :attr:`machine`."""
+        from adaptree.adapt import adapt
+
+        self.machine = adapt(self, config, force=force, progress=progress)
+        return self.machine
 
     @property
     def dtype_name(self) -> str:
@@ -229,7 +243,8 @@ class Pipeline:
         if method != "ar" and self.head is None:
             raise ValueError(f"method {method!r} needs a draft head; this pipeline has none (load(head=...))")
         return make_controller(method, head_folder=self.head_folder, model=self.model_label,
-                               tokenizer=self.tokenizer, **options)
+                               tokenizer=self.tokenizer, machine=self.machine.assets if self.machine else None,
+                               **options)
 
     def _prepare(self, prompt, method, controller, sampling, chat, options):
         if controller is not None and (method is not None or options):
@@ -264,28 +279,65 @@ class Pipeline:
         return Stream(self, ids, ctl, max_new_tokens, sampling)
 
 
-def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "bfloat16",
-         device: str | torch.device = "cpu", threads: int | None = None, max_seq_len: int | None = None) -> Pipeline:
-    """Load a target model, its tokenizer and an EAGLE-3 draft head.
+def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "auto",
+         device: str | torch.device = "cpu", threads: int | None = None, max_seq_len: int | None = None,
+         adapt: bool | None = None, progress: bool = True) -> Pipeline:
+    """Load a target model, its tokenizer and an EAGLE-3 draft head, adapted to this machine.
+
+    On the first use with a machine profile (CPU and its kernels, torch threads, dtype, model and head) it
+    measures the machine once (about two minutes on the default model, saying so in one line, with progress
+    bars) and caches the result (:mod:`adaptree.adapt`): the latency model, the static tree and the default
+    method for this machine; later loads find it in a fraction of a second.
 
     :param model: a registered short name (``smollm2-135m``, the default; ``qwen2.5-coder-0.5b``, ...), a Hugging
         Face checkpoint folder or a ``.gguf`` file.
     :param head: ``"auto"`` = the head adaptree ships for a registered model (none for other models), a head folder
         (``config.json`` + ``model.safetensors``), or None for no head (autoregressive decoding only).
-    :param dtype: ``"float32"`` (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
+    :param dtype: ``"auto"`` (the one this machine runs fastest, chosen by measurement and cached), ``"float32"``
+        (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
     :param device: ``"cpu"`` or a CUDA device.
     :param threads: torch's CPU threads; torch's setting is process-wide, so this changes it for the whole
         process (None leaves it alone).
     :param max_seq_len: context limit (default: the model's, at most 8192).
+    :param adapt: measure the machine when no setup is cached (None: unless ``$ADAPTREE_ADAPT=0``). False never
+        measures: a cached setup is still used, ``dtype="auto"`` takes the cached choice or, without one,
+        bfloat16 where the hardware has native bfloat16 and float32 elsewhere, and the default method is ``ar``.
+    :param progress: progress bars while measuring.
     """
+    from adaptree.adapt.setup import (AdaptError, adapt_enabled, cached_dtype, choose_dtype, fallback_dtype,
+                                      find_setup, say)
+
+    if threads is not None:  # first: the thread count is part of the machine profile
+        if int(threads) < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(int(threads))
+    measure = adapt_enabled(adapt)
+    if dtype == "auto":
+        if measure:
+            try:
+                return choose_dtype(lambda dt: load(model, head, dtype=dt, device=device, threads=threads,
+                                                    max_seq_len=max_seq_len, adapt=False),
+                                    model, head, device, max_seq_len, progress=progress)
+            except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
+                say(f"warning: could not measure this machine ({e}); loading without a machine setup")
+                measure = False
+        dtype = cached_dtype(model, head, device, max_seq_len) or fallback_dtype(device)
+    p = _load(model, head, dtype, device, max_seq_len)
+    if p.head is not None:
+        p.machine = find_setup(p)
+        if p.machine is None and measure:
+            try:
+                p.adapt(progress=progress)
+            except AdaptError as e:
+                say(f"warning: could not measure this machine ({e}); the default method is ar")
+    return p
+
+
+def _load(model, head, dtype, device, max_seq_len) -> Pipeline:
     from adaptree.models import load_model, shipped_head
     from adaptree.models.eagle3 import Eagle3Head
 
     dt = dtype_of(dtype)
-    if threads is not None:
-        if int(threads) < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(int(threads))
     if max_seq_len is not None and int(max_seq_len) < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
     target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len)

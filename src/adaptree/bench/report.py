@@ -155,6 +155,17 @@ def print_table(summary: dict) -> None:
         print_section(summary["oracle"])
 
 
+def machine_setup_lines(setup: dict | None) -> list[str]:
+    """What the machine setup (:mod:`adaptree.adapt`) chose here, as report lines (none without a setup)."""
+    if not setup:
+        return ["- machine setup: none (`--no-adapt` and nothing cached): the default method is ar"]
+    t = setup["static_tree"]
+    modelled = ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in setup["methods"].items() if "skipped" not in v)
+    return [f"- machine setup ({setup.get('created')}, {setup['took_s'].get('total', 0):.0f} s): default method "
+            f"**{setup['default_method']}**, static tree here W{t['width']} D{t['depth']} V{t['size']}; modelled "
+            f"speedups on {setup['took_s'].get('trace_prompts', '?')} tuning prompts' traces: {modelled}"]
+
+
 def write_report(summary: dict, out: Path) -> None:
     """``report.md`` and the PNG plots next to ``summary.json``."""
     out = Path(out)
@@ -170,7 +181,11 @@ def write_report(summary: dict, out: Path) -> None:
               f"turns {c.get('turns') or 'all'}",
               f"- machine: {m.get('cpu')} ({m.get('cores')} cores), {m.get('platform')}; python {m.get('python')}, "
               f"torch {m.get('torch')}, transformers {m.get('transformers')}" + (f", GPU {m['gpu']}" if m.get("gpu") else ""),
-              "", "## Results", "",
+              f"- machine profile: CPU flags {', '.join(m.get('cpu_flags') or []) or '-'}; PyTorch kernels "
+              f"{m.get('cpu_capability')}, oneDNN ISA limit {m.get('onednn_max_isa')}, torch threads "
+              f"{m.get('torch_threads')}"]
+    lines += machine_setup_lines(summary.get("machine_setup"))
+    lines += ["", "## Results", "",
               "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
     lines += ["", "speedup: the method's tokens/s over AR's, each summed over the same runs (= AR wall time / method wall "

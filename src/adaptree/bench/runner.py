@@ -41,9 +41,10 @@ _RUN_KEYS = ("model", "dtype", "draft_sha256", "model_sha256", "max_new_tokens",
              "seed", "threads")
 
 
-MAIN_JOB_METHODS = ("ar", "static", "static-gs", "deagle", "ltd", "radar")
-"""``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the tuned static tree, the training-free
-DEAGLE and the shipped LTD and RADAR policies (about 10 minutes on 2 cores with the default limit)."""
+MAIN_JOB_METHODS = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar")
+"""``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the static tree chosen for this machine, the
+training-free cost-aware rule and DEAGLE, and the shipped LTD and RADAR policies (plus this machine's default method
+when it is none of them; about 10 minutes on 2 cores with the default limit, after the machine setup)."""
 
 
 @dataclass
@@ -206,12 +207,13 @@ def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOption
     _check_settings(out, settings)
     arms = build_arms(cfg, pipeline, method_options)
     machine = machine_info()
+    setup = pipeline.machine.to_dict() if pipeline.machine is not None else None
     (out / CONFIG).write_text(json.dumps({"config": asdict(cfg), "settings": settings, "machine": machine,
-                                          "command": command}, indent=2))
+                                          "machine_setup": setup, "command": command}, indent=2))
     rows = bench_loop(cfg, arms, pipeline.encode, pipeline.tokenizer.decode, sets, max_len=pipeline.engine.max_len)
     if cfg.oracle_latency:
         run_oracle(cfg, pipeline, out, sets, method_options)
-    summary = finish(cfg, rows, out, settings, command, machine)
+    summary = finish(cfg, rows, out, settings, command, machine, setup)
     print_table(summary)
     write_report(summary, out)
     print(f"wrote {out / RESULTS}, {out / SUMMARY} and {out / 'report.md'} (+ plots)")
@@ -236,15 +238,16 @@ def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
 
 
 def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, command: str | None,
-           machine: dict | None) -> dict:
-    """Write ``summary.json`` (metrics, configuration, settings with checksums, machine, command; with
-    ``oracle_latency``, the oracle section of :mod:`adaptree.bench.oracle_section`)."""
+           machine: dict | None, machine_setup: dict | None = None) -> dict:
+    """Write ``summary.json`` (metrics, configuration, settings with checksums, machine and what the machine setup
+    chose, command; with ``oracle_latency``, the oracle section of :mod:`adaptree.bench.oracle_section`)."""
     from adaptree.bench.oracle_section import merge
     from adaptree.bench.report import summarize
     from adaptree.core.machine import machine_info
 
     summary = _json_safe(summarize(rows, cfg))
-    summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(), command=command)
+    summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(),
+                   machine_setup=machine_setup, command=command)
     if cfg.oracle_latency:
         section = merge(Path(out), rows, cfg.methods)
         if section is not None:
@@ -365,7 +368,8 @@ def rebuild_report(folder: str | Path) -> dict:
     max_turns = cfg.turns or 1_000_000
     rows = [r for k, r in done.items() if (k[0], k[1]) in keep and k[2] < max_turns and k[3] in cfg.methods
             and k[4] < cfg.repeats]
-    summary = finish(cfg, rows, out, saved["settings"], saved.get("command"), saved.get("machine"))
+    summary = finish(cfg, rows, out, saved["settings"], saved.get("command"), saved.get("machine"),
+                     saved.get("machine_setup"))
     print_table(summary)
     write_report(summary, out)
     print(f"wrote {out / SUMMARY} and {out / 'report.md'} (+ plots)")

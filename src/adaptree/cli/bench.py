@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from adaptree.cli import common
 from adaptree.cli.common import ConfigFlags, add_method_args, add_model_args, command_line
 
@@ -36,22 +38,29 @@ def register(sub) -> None:
     r.set_defaults(func=cmd_report)
 
     c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
-    add_model_args(c)
+    add_model_args(c, adapt=False)
     _compare_flags().add(c)
     c.set_defaults(func=cmd_compare_hf)
 
     t = sub.add_parser("tune-static", help="grid search (successive halving, measured tokens/s) for the static tree; "
                                            "the choice is --method static-gs")
-    add_model_args(t)
+    add_model_args(t, adapt=False)
     _tune_flags().add(t)
     t.set_defaults(func=cmd_tune_static)
 
 
 def cmd_bench(args) -> int:
-    from adaptree.bench.runner import run_bench
+    from adaptree.bench.runner import MAIN_JOB_METHODS, run_bench
 
     cfg = _bench_flags().build(args)
     pipe = common.load_pipeline(args)
+    if tuple(cfg.methods) == MAIN_JOB_METHODS:  # the main job: this machine's default method is one of its arms
+        if pipe.machine is None:
+            cfg.methods.remove("costaware")  # it needs this machine's latency model
+            print("adaptree: no machine setup (--no-adapt): costaware left out; the default method is ar",
+                  file=sys.stderr)
+        elif pipe.default_method not in cfg.methods:
+            cfg.methods.append(pipe.default_method)
     options = {m: common.method_options(args, m) for m in cfg.methods}
     run_bench(cfg, pipe, options, command=command_line())
     return 0

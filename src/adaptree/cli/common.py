@@ -262,7 +262,10 @@ def _method_choices() -> dict[tuple[str, str], Sequence[str]]:
     from adaptree.methods.rules.ddd import HEURISTICS
     from adaptree.methods.rules.svip import SOURCES
 
-    return {("ddd", "heuristic"): HEURISTICS, ("svip", "entropy_source"): SOURCES, ("resps", "state"): STATES}
+    from adaptree.methods.costaware.controller import TIMINGS
+
+    return {("ddd", "heuristic"): HEURISTICS, ("svip", "entropy_source"): SOURCES, ("resps", "state"): STATES,
+            ("costaware", "timing"): TIMINGS}
 
 
 @functools.cache
@@ -308,8 +311,9 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     from adaptree.methods import METHODS, REGISTRY
 
     p.add_argument("--method", choices=METHODS, default=None,
-                   help="the controller deciding each cycle's tree (default: static with a draft head, else ar); "
-                        "each method's settings are in its section below")
+                   help="the controller deciding each cycle's tree (default: the method that models fastest on this "
+                        "machine, see `adaptree adapt`; ar without a head or a machine setup); each method's "
+                        "settings are in its section below")
     tree = p.add_argument_group("tree shape", "W, depth and V of every method with a tree (not static-gs, resps)")
     for name, short in SHAPE_FLAGS.items():
         tree.add_argument(f"--{name}", short, type=int, default=None, help=_shape_help(name))
@@ -341,8 +345,9 @@ def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
 
 
 def build_controller(args: argparse.Namespace, head=None, tokenizer=None):
-    """The controller of ``args.method`` (default: static with a draft head, else ar) with its flags; learned
-    methods' policies and static-gs's tree come from next to the head in use (``args.draft_path``)."""
+    """The controller of ``args.method`` without a pipeline (``simulate``; default: static with a draft head, else
+    ar) with its flags; learned methods' policies and static-gs's tree come from next to the head in use
+    (``args.draft_path``)."""
     from adaptree.methods import make_controller
 
     method = args.method or ("static" if head is not None else "ar")
@@ -353,9 +358,10 @@ def build_controller(args: argparse.Namespace, head=None, tokenizer=None):
 # -------------------------------------------------------------------------------------------- model flags
 
 
-def add_model_args(p: argparse.ArgumentParser, dtype: str = "bfloat16", why: str = "") -> None:
+def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "", adapt: bool = True) -> None:
     """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--threads``,
-    ``--max-seq-len``: what :func:`load_pipeline` reads."""
+    ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
+    measure or train on purpose take ``adapt=False`` and an explicit dtype."""
     from adaptree.api import DTYPES
     from adaptree.models import DEFAULT_MODEL_NAME, MODELS
 
@@ -368,12 +374,17 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "bfloat16", why: str
     g.add_argument("--draft", default="auto",
                    help="EAGLE-3 draft head folder (config.json + model.safetensors); 'auto' (default) = the head "
                         "adaptree ships for a registered model, 'none' = no head")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=dtype,
-                   help=f"weights and activations; float32 for bit-exact lossless greedy output (default {dtype}"
-                        f"{why})")
+    g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default=dtype,
+                   help=f"weights and activations; auto = the one this machine runs fastest (measured once, cached), "
+                        f"float32 for bit-exact lossless greedy output (default {dtype}{why})")
     g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="context limit (default: the model's, <= 8192)")
+    if adapt:
+        g.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=None,
+                       help="measure this machine on first use (latency, dtype, tree, default method; about 2 "
+                            "minutes, cached; default: yes unless ADAPTREE_ADAPT=0); --no-adapt still uses a cached "
+                            "setup")
 
 
 def load_pipeline(args: argparse.Namespace):
@@ -382,7 +393,8 @@ def load_pipeline(args: argparse.Namespace):
     from adaptree.api import load
 
     p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, threads=args.threads,
-             max_seq_len=args.max_seq_len)
+             max_seq_len=args.max_seq_len, adapt=getattr(args, "adapt", False),
+             progress=not getattr(args, "quiet", False))
     args.draft_path = str(p.head_folder) if p.head_folder else None
     return p
 

@@ -65,7 +65,8 @@ def register(sub) -> None:
     tsub = t.add_subparsers(dest="traces_command", required=True)
     r = tsub.add_parser("record", help="record the tree at every position of the greedy output, per prompt "
                                        "(resumes: prompts already in --out are skipped)")
-    add_model_args(r, dtype="float32", why=" here: a bfloat16 greedy run need not be the speculative one")
+    add_model_args(r, dtype="float32", why=" here: a bfloat16 greedy run need not be the speculative one",
+                   adapt=False)
     add_prompt_args(r, limit=8, what="prompts")
     _trace_flags().add(r)
     add_chat_arg(r)
@@ -83,7 +84,7 @@ def register(sub) -> None:
 
     c = sub.add_parser("calibrate", help="measure the simulator's latency model on this machine (micro-benchmarks), "
                                          "validate it against live cycles, save it as JSON")
-    add_model_args(c)
+    add_model_args(c, adapt=False)
     _calibration_flags().add(c)
     add_prompt_args(c, limit=2, what="validation prompts")
     add_chat_arg(c)

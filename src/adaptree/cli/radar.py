@@ -31,7 +31,7 @@ def register(sub) -> None:
     ds = rsub.add_parser("dataset", help="run the engine at T=1 over ShareGPT training prompts and record, per cycle, "
                                          "the beam scores and the exact accepted-length distribution of every stop "
                                          "point (resumes: prompts already in --out are skipped)")
-    add_model_args(ds)  # bfloat16 by default, like bench: the scores the policy sees are the deployed ones
+    add_model_args(ds, adapt=False)  # the dtype bench deploys (auto): the scores the policy sees are the deployed ones
     ds.add_argument("--limit", type=positive_int, default=200, help="ShareGPT training prompts (default 200)")
     ds.add_argument("--split-seed", type=int, default=0, help="seed of the train/validation/eval split of ShareGPT")
     ds.add_argument("--max-prompt-tokens", type=positive_int, default=1024, help="skip longer prompts (default 1024)")

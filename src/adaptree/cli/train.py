@@ -58,7 +58,7 @@ def register(sub) -> None:
 
     p = tsub.add_parser("ltd", help="LTD: PPO depth and size policies, stage 1 then co-adaptation; exports the best "
                                     "pair on validation to OUT/policy (safetensors + JSON)")
-    add_model_args(p)
+    add_model_args(p, adapt=False)
     add_latency_arg(p)
     _prompt_flags().add(p.add_argument_group("training prompts"))
     g = p.add_argument_group("training")
@@ -72,7 +72,7 @@ def register(sub) -> None:
 
     p = tsub.add_parser("resps", help="Re-SpS: a PPO policy choosing the tree (TT, d, k) every N cycles from the "
                                       "target's features; exports the best checkpoint on validation to OUT/policy")
-    add_model_args(p)
+    add_model_args(p, adapt=False)
     add_latency_arg(p, "; needed unless both training and validation are live")
     _prompt_flags(**RESPS_PROMPTS).add(p.add_argument_group("training prompts"))
     from adaptree.methods.resps.workflow import VALIDATION

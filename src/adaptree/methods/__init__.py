@@ -3,6 +3,8 @@
 - :mod:`.static`: ``static-gs`` (the static tree a measured grid search chose) and that grid search; the
   static EAGLE-3 tree and the autoregressive baseline themselves are the seam's defaults
   (:mod:`adaptree.core.controller`)
+- :mod:`.costaware`: the training-free cost-aware rule (expected tokens per modelled second from calibrated draft
+  scores and this machine's latency model)
 - :mod:`.rules`: the training-free rules DEAGLE, DDD, SVIP and Gammatune
 - :mod:`.ltd`: LTD (controller and observation, environments, PPO trainer)
 - :mod:`.radar`: RADAR (controller, LSTM policy, acceptance-distribution dataset, REINFORCE trainer)
@@ -23,6 +25,7 @@ from typing import Any
 
 from adaptree.core.controller import (AutoregressiveController, Controller, CycleContext, StaticConfig,
                                       StaticController, TreePlan)
+from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
 from adaptree.methods.radar.controller import RadarConfig, RadarController
 from adaptree.methods.resps.controller import ReSpSConfig, ReSpSController
@@ -36,7 +39,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
-           "ReSpSConfig", "ReSpSController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories"]
 
 
@@ -77,6 +80,9 @@ class Method:
     assets: tuple[Asset, ...] = ()
     needs_tokenizer: bool = False
     """The controller reads the context as text (Re-SpS on the embedding state)."""
+    machine_options: tuple[str, ...] = ()
+    """Config fields filled from this machine's setup when not given (:mod:`adaptree.adapt`: ``latency``,
+    ``acceptance``, ``tuned``); they take precedence over the files next to the head."""
 
     @property
     def learned(self) -> bool:
@@ -124,7 +130,8 @@ _TUNED_ASSET = Asset("tuned", "static_gs.json", "tuned static tree", "--tuned",
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ar", None, AutoregressiveController),
     Method("static", StaticConfig, StaticController),
-    Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,)),
+    Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,), machine_options=("tuned",)),
+    Method("costaware", CostAwareConfig, CostAwareController, machine_options=("latency", "acceptance")),
     Method("deagle", DeagleConfig, DeagleController),
     Method("ddd", DDDConfig, DDDController),
     Method("svip", SVIPConfig, SVIPController),
@@ -181,7 +188,7 @@ def resolve_assets(name: str, options: dict[str, Any], head_folder: str | Path |
 
 
 def make_controller(name: str, *, head_folder: str | Path | None = None, model: str | None = None,
-                    tokenizer=None, **options) -> Controller:
+                    tokenizer=None, machine: Mapping[str, str] | None = None, **options) -> Controller:
     """Build a controller by method name; ``options`` are the method's config fields.
 
     :param head_folder: the draft head in use; a learned method's policies and ``static-gs``'s tuned tree are
@@ -189,9 +196,14 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
     :param model: the model's name, for error messages.
     :param tokenizer: the target's, for controllers that read the context as text (Re-SpS on the embedding
         state).
+    :param machine: this machine's files (:attr:`adaptree.adapt.MachineSetup.assets`: option -> path), used for the
+        method's :attr:`Method.machine_options` that ``options`` does not give.
     """
     entry = method(name)
     entry.check_options(options)
+    for opt in entry.machine_options:
+        if not options.get(opt) and machine and machine.get(opt):
+            options = {**options, opt: machine[opt]}
     if entry.assets:
         options = resolve_assets(name, options, head_folder, model)
     return entry.build(options, tokenizer=tokenizer)
@@ -199,7 +211,8 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
 
 def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None, *,
                          head_folder: str | Path | None = None, model: str | None = None,
-                         tokenizer=None) -> dict[str, Callable[[], Controller]]:
+                         tokenizer=None, machine: Mapping[str, str] | None = None
+                         ) -> dict[str, Callable[[], Controller]]:
     """Method name -> a zero-argument builder of its controller with ``options[name]`` (:func:`make_controller`),
     for replaying or benchmarking several methods. Each is built once here, so a bad option or a missing policy
     fails before anything runs; an unknown or repeated name is a ValueError."""
@@ -211,7 +224,8 @@ def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str
         opts = dict((options or {}).get(name, {}))
 
         def build(name: str = name, opts: dict = opts) -> Controller:
-            return make_controller(name, head_folder=head_folder, model=model, tokenizer=tokenizer, **opts)
+            return make_controller(name, head_folder=head_folder, model=model, tokenizer=tokenizer, machine=machine,
+                                   **opts)
 
         build()
         out[name] = build

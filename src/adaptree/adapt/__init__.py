@@ -1,0 +1,31 @@
+"""Adapting to the machine at hand: a cached per-machine calibration, the dtype, the static tree and the default
+method chosen by measurement here, never shipped from the machine adaptree was developed on.
+
+:func:`~adaptree.adapt.setup.adapt` makes (once per machine profile, model, head, dtype and torch threads) and
+caches under ``$ADAPTREE_CACHE/machines``:
+
+- ``latency.json``: this machine's latency model (a quick :func:`~adaptree.offline.latency.calibrate` plus a few
+  live cycles for the per-cycle overhead);
+- ``static_gs.json``: the static tree (W, D, V) that minimises the modelled time of recorded greedy traces under
+  that latency model (:func:`~adaptree.offline.oracle.best_static`), what ``static-gs`` then uses;
+- ``setup.json``: the machine profile it is valid for, and every available method's modelled throughput on the
+  traces (the simulator), from which the default method is the best one (never EAGLE-3's default tree).
+
+The traces (greedy, machine-independent: acceptance does not depend on the hardware) and the acceptance
+calibration of ``costaware`` are cached once per model and head under ``$ADAPTREE_CACHE/traces``.
+:func:`~adaptree.adapt.setup.choose_dtype` is ``dtype="auto"``: it adapts each candidate dtype and keeps the one
+whose best method models fastest. :func:`adaptree.load` runs both on first use unless told not to.
+"""
+
+from adaptree.adapt.setup import (
+    AdaptConfig,
+    AdaptError,
+    MachineSetup,
+    adapt,
+    choose_dtype,
+    find_setup,
+    fingerprint,
+    machines_dir,
+)
+
+__all__ = ["AdaptConfig", "AdaptError", "MachineSetup", "adapt", "choose_dtype", "find_setup", "fingerprint", "machines_dir"]

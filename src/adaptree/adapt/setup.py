@@ -1,0 +1,468 @@
+"""The per-machine setup (see :mod:`adaptree.adapt`): made once, cached, checked against the machine every time.
+
+A setup is valid for one :func:`fingerprint`: the machine profile (CPU model and kernel-relevant flags, PyTorch's
+and oneDNN's kernel levels, cores, torch threads and version, GPU), the device, the dtype and the sha256 of the
+target's and the head's weights. Its folder is named by the fingerprint's digest, so a change of any field
+(another CPU, ``ATEN_CPU_CAPABILITY=avx2``, another thread count, a retrained head) finds no setup and makes a
+new one; :func:`find_setup` also compares the stored fingerprint field by field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+SETUP_VERSION = 1
+ADAPT_ENV = "ADAPTREE_ADAPT"
+"""``ADAPTREE_ADAPT=0`` turns the automatic adaptation of :func:`adaptree.load` off (a cached setup is still used)."""
+
+CANDIDATES = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar", "resps")
+"""Methods :func:`adapt` models on the traces; every one that can run here (its files exist, its widths are
+recorded) is a candidate for the default except ``static`` (EAGLE-3's default tree, the papers' baseline)."""
+
+NOT_DEFAULT = ("static",)
+
+
+class AdaptError(ValueError):
+    """The measurement could not run for this model (e.g. a context too short for the calibrated shapes); the
+    pipeline still works, without a machine setup."""
+
+
+def adapt_enabled(flag: bool | None = None) -> bool:
+    """``flag``, or (None) unless ``$ADAPTREE_ADAPT`` is 0/false/no/off."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ADAPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def say(message: str) -> None:
+    """One line on stderr (what adapting prints; progress bars go there too)."""
+    print(f"adaptree: {message}", file=sys.stderr, flush=True)
+
+
+def machines_dir() -> Path:
+    """``<cache>/machines`` (``$ADAPTREE_CACHE``, default ``~/.cache/adaptree``)."""
+    from adaptree.models.cache import cache_dir
+
+    return cache_dir() / "machines"
+
+
+def traces_dir() -> Path:
+    from adaptree.models.cache import cache_dir
+
+    return cache_dir() / "traces"
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def machine_fields() -> dict:
+    """The machine part of a fingerprint: :func:`~adaptree.core.machine.machine_profile` without the OS build
+    string (a kernel update does not change which kernels torch runs)."""
+    from adaptree.core.machine import machine_profile
+
+    prof = machine_profile()
+    prof.pop("platform", None)
+    return prof
+
+
+def fingerprint(pipeline) -> dict:
+    """What a setup of ``pipeline`` is valid for: the machine fields, device, dtype, the target's and the head's
+    weight digests (dtype included)."""
+    from adaptree.offline.store import head_fingerprint, model_fingerprint
+
+    return {**machine_fields(), "device": str(pipeline.target.device), "dtype": pipeline.dtype_name,
+            "model": model_fingerprint(pipeline.target),
+            "head": head_fingerprint(pipeline.head) if pipeline.head is not None else None}
+
+
+@dataclass
+class AdaptConfig:
+    """What :func:`adapt` measures (defaults: about two minutes on a 135M model, 2 cores, at the first use)."""
+
+    prompts: int = 12
+    """Tuning prompts (ShareGPT validation split + the last HumanEval problems: never a benchmark prompt) whose
+    greedy traces the simulator replays."""
+    max_new_tokens: int = 128
+    """Tokens per traced prompt."""
+    max_depth: int = 12
+    """Levels recorded at every position (LTD's maximum depth; the static grid searches depths 1..this)."""
+    width: int = 10
+    """Beam width W of the recorded trees (EAGLE-3's, the learned policies')."""
+    widths: tuple[int, ...] = (4, 8, 10, 16)
+    """Draft widths the latency calibration times."""
+    sizes: tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
+    """Verification sizes V the latency calibration times (each a knot of the model)."""
+    lengths: tuple[int, ...] = (128, 768)
+    """Context lengths the latency calibration fills the caches to."""
+    repeats: int = 3
+    """Timed repetitions per calibrated shape (median kept)."""
+    validate_tokens: int = 24
+    """Tokens of the two live generations (AR and a small tree) that measure the per-cycle overhead."""
+    methods: tuple[str, ...] = CANDIDATES
+    """Methods modelled on the traces (those that cannot run here are listed as skipped)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_new_tokens", "max_depth", "width", "repeats", "validate_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from adaptree.methods import method
+
+        self.methods = tuple(self.methods)
+        for m in self.methods:
+            method(m)
+        if "ar" not in self.methods:
+            raise ValueError("the adapted methods must include 'ar' (the default when no tree pays)")
+
+
+@dataclass
+class MachineSetup:
+    """A cached setup (``setup.json`` in :attr:`folder`)."""
+
+    folder: Path
+    fingerprint: dict
+    default_method: str
+    """The candidate with the highest modelled throughput on this machine."""
+    static_tree: dict
+    """``{"width", "depth", "size", "modelled_speedup"}``: the best static tree here (``static-gs``)."""
+    methods: dict
+    """Method -> ``{"tokens_per_s", "speedup", "tau", "mean_depth", "mean_size"}`` (modelled on the traces), or
+    ``{"skipped": reason}``."""
+    took_s: dict = field(default_factory=dict)
+    """Seconds spent: calibration, traces, choice, total."""
+    traces: str | None = None
+    """The trace folder the choice was made on."""
+    created: str = ""
+
+    @property
+    def latency_path(self) -> Path:
+        return self.folder / "latency.json"
+
+    @property
+    def static_gs_path(self) -> Path:
+        return self.folder / "static_gs.json"
+
+    @property
+    def acceptance_path(self) -> Path | None:
+        return Path(self.traces) / "acceptance.json" if self.traces else None
+
+    @property
+    def assets(self) -> dict[str, str]:
+        """Config option -> file, for the methods that take this machine's files (``make_controller(machine=...)``)."""
+        out = {"latency": str(self.latency_path), "tuned": str(self.static_gs_path)}
+        acc = self.acceptance_path
+        if acc is not None and acc.is_file():
+            out["acceptance"] = str(acc)
+        return out
+
+    def latency(self):
+        from adaptree.offline.latency import LatencyModel
+
+        return LatencyModel.load(self.latency_path)
+
+    def modelled_tokens_per_s(self, method: str | None = None) -> float:
+        row = self.methods.get(method or self.default_method, {})
+        return float(row.get("tokens_per_s", 0.0))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("folder")
+        return {"version": SETUP_VERSION, **d}
+
+    @classmethod
+    def read(cls, folder: Path) -> MachineSetup:
+        d = json.loads((folder / "setup.json").read_text())
+        if d.pop("version", None) != SETUP_VERSION:
+            raise ValueError(f"{folder}/setup.json: another setup format version")
+        return cls(folder=folder, **d)
+
+    def table(self) -> str:
+        """The modelled methods, one line each (what ``adaptree adapt`` prints)."""
+        lines = [f"{'method':<12} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'depth':>6} {'V':>6}"]
+        for name, row in self.methods.items():
+            if "skipped" in row:
+                lines.append(f"{name:<12} skipped: {row['skipped']}")
+                continue
+            mark = "  <- default" if name == self.default_method else ""
+            lines.append(f"{name:<12} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x {row['tau']:>6.2f} "
+                         f"{row['mean_depth']:>6.2f} {row['mean_size']:>6.1f}{mark}")
+        t = self.static_tree
+        lines.append(f"static tree here: W{t['width']} D{t['depth']} V{t['size']} (modelled {t['modelled_speedup']:.2f}x"
+                     f" AR); modelled on the greedy traces of {self.traces_prompts} prompts with this machine's "
+                     "latency model")
+        return "\n".join(lines)
+
+    @property
+    def traces_prompts(self) -> int:
+        return int(self.took_s.get("trace_prompts", 0))
+
+
+def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
+    """The cached setup valid for ``pipeline`` on this machine (None if there is none or it is stale)."""
+    fp = fingerprint(pipeline) if fp is None else fp
+    folder = machines_dir() / digest(fp)
+    try:
+        setup = MachineSetup.read(folder)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if setup.fingerprint != json.loads(json.dumps(fp)) or not setup.latency_path.is_file() \
+            or not setup.static_gs_path.is_file():
+        return None
+    return setup
+
+
+def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[int, int]:
+    """Two calibration context lengths that fit a context of ``max_len`` with ``max_size + 1`` tree rows: the
+    smallest and largest of ``lengths``, each moved down to fit (a short-context model is still measured)."""
+    room = max_len - max_size - 2
+    if room < 2:
+        raise ValueError(f"a context of {max_len} tokens is too short to time trees of {max_size} nodes")
+    lo, hi = min(min(lengths), room // 4 or 1), min(max(lengths), room)
+    return (lo, hi) if hi > lo else (max(1, hi // 2), hi)
+
+
+def tuning_prompt_ids(pipeline, n: int) -> list[tuple[str, list[int]]]:
+    """``n`` tuning prompts (never a benchmark prompt) as ``(key, ids)``, through the chat template when the model
+    has one."""
+    from adaptree.methods.static.tune import tuning_prompts
+
+    chat = pipeline.use_chat()
+    return [(f"{p.dataset}/{p.id}", pipeline.encode(p.turns[0], chat)) for p in tuning_prompts(n)]
+
+
+def _traces(pipeline, cfg: AdaptConfig, folder: Path | None, prompt_ids, progress: bool):
+    """The greedy traces the choice is made on: ``folder`` (reused as it is when it already holds traces, e.g. the
+    other dtype's), else the cache's folder of this model and head, recorded there if missing."""
+    from adaptree.offline.store import head_fingerprint, model_fingerprint
+    from adaptree.offline.traces import TraceSettings, TraceStore, open_store_for
+
+    if folder is not None and (Path(folder) / "manifest.json").is_file():
+        store = TraceStore(folder)
+        return Path(folder), store.load_all()
+    if folder is None:
+        folder = traces_dir() / f"{model_fingerprint(pipeline.target)[:16]}-{head_fingerprint(pipeline.head)[:16]}"
+    settings = TraceSettings(widths=(cfg.width,), max_depth=cfg.max_depth, max_new_tokens=cfg.max_new_tokens,
+                             eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
+                             feature_dtype="none")
+    store = open_store_for(folder, pipeline.target, pipeline.head, settings)
+    keyed = prompt_ids if prompt_ids is not None else tuning_prompt_ids(pipeline, cfg.prompts)
+    store.record(pipeline.target, pipeline.head, keyed, progress=progress)
+    keys = {k for k, _ in keyed}
+    return Path(folder), [t for t in store.load_all() if t.key in keys]
+
+
+def _acceptance(folder: Path, traces) -> Path:
+    """``costaware``'s acceptance calibration of the traces in ``folder`` (fitted once, kept next to them)."""
+    from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+
+    path = folder / "acceptance.json"
+    if not path.is_file():
+        AcceptanceCalibration.fit(traces).save(path)
+    return path
+
+
+def _model_methods(pipeline, cfg: AdaptConfig, traces, latency, assets: dict[str, str]) -> dict:
+    from adaptree.methods import make_controller
+    from adaptree.offline.simulator import simulate
+
+    out = {}
+    for name in cfg.methods:
+        try:
+            ctl = make_controller(name, head_folder=pipeline.head_folder, model=pipeline.model_label,
+                                  tokenizer=pipeline.tokenizer, machine=assets)
+            res = simulate(ctl, traces, latency)
+        except (ValueError, FileNotFoundError, KeyError) as e:  # no policy for this head, widths not recorded...
+            out[name] = {"skipped": str(e).splitlines()[0][:200]}
+            continue
+        s = res.summary()
+        total = s["modelled_s"] + s["policy_s"]  # the controller's own time, measured here, counts too
+        out[name] = {"tokens_per_s": s["new_tokens"] / total if total > 0 else 0.0,
+                     "speedup": s["modelled_ar_s"] / total if total > 0 else 0.0, "tau": s["tau"],
+                     "mean_depth": s["mean_depth"], "mean_size": s["mean_size"]}
+    return out
+
+
+def adapt(pipeline, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
+          traces: str | os.PathLike | None = None, prompt_ids: Sequence[tuple[str, Sequence[int]]] | None = None,
+          message: Callable[[str], None] = say) -> MachineSetup:
+    """The setup of ``pipeline`` on this machine: the cached one (:func:`find_setup`), else made now and cached.
+
+    :param force: measure again even when a valid setup is cached.
+    :param traces: a trace folder to replay instead of the cache's (used as it is when it exists).
+    :param prompt_ids: ``(key, ids)`` prompts to trace instead of the tuning prompts.
+    :raises AdaptError: the measurement failed (the message says why).
+    """
+    if pipeline.head is None:
+        raise ValueError("adapting to the machine needs a draft head (with none, the only method is ar)")
+    cfg = cfg or AdaptConfig()
+    fp = fingerprint(pipeline)
+    if not force:
+        found = find_setup(pipeline, fp)
+        if found is not None:
+            return found
+    try:
+        return _measure(pipeline, cfg, fp, traces, prompt_ids, progress, message)
+    except (ValueError, RuntimeError) as e:
+        raise AdaptError(str(e)) from e
+
+
+def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress: bool,
+             message: Callable[[str], None]) -> MachineSetup:
+    from adaptree.offline.calibration import CalibrationConfig, run_calibration
+    from adaptree.offline.oracle import best_static
+    from adaptree.offline.runs import write_json
+
+    folder = machines_dir() / digest(fp)
+    message(f"measuring this machine once for {pipeline.model_label} in {pipeline.dtype_name} ({fp['cpu']}, "
+            f"{fp['cpu_capability']} kernels, {fp['torch_threads']} threads): latency, traces, the tree and the "
+            f"default method (about 2 minutes); cached in {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    keyed = list(prompt_ids) if prompt_ids is not None else None
+    tuning = keyed if keyed is not None else tuning_prompt_ids(pipeline, cfg.prompts)
+    val = [ids[:256] for _, ids in tuning[:2]]
+    ccfg = CalibrationConfig(widths=cfg.widths, sizes=cfg.sizes, repeats=cfg.repeats,
+                             lengths=fit_lengths(cfg.lengths, pipeline.engine.max_len, max(cfg.sizes)),
+                             shapes=((1, 0, 0), (10, 3, 8)), max_new_tokens=cfg.validate_tokens, refit="micro")
+    cal = run_calibration(pipeline.target, pipeline.head, pipeline.engine, val, ccfg, progress=progress)
+    cal.model.meta.update(model=pipeline.model_label, head=pipeline.head_label, fingerprint=fp, source="adapt")
+    cal.model.save(folder / "latency.json")
+    t1 = time.perf_counter()
+    tfolder, recorded = _traces(pipeline, cfg, Path(traces) if traces else None, tuning, progress)
+    if not recorded:
+        raise ValueError(f"no traces to model the methods on in {tfolder}")
+    acc = _acceptance(tfolder, recorded)
+    t2 = time.perf_counter()
+    width = recorded[0].widths[0] if cfg.width not in recorded[0].widths else cfg.width
+    depth = min(cfg.max_depth, recorded[0].max_depth)
+    best = best_static(recorded, cal.model, widths=(width,), depths=range(1, depth + 1))
+    tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup}
+    write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",
+                "fingerprint": fp}, folder / "static_gs.json")
+    assets = {"latency": str(folder / "latency.json"), "tuned": str(folder / "static_gs.json"),
+              "acceptance": str(acc)}
+    methods = _model_methods(pipeline, cfg, recorded, cal.model, assets)
+    ranked = [m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT]
+    default = max(ranked, key=lambda m: methods[m]["tokens_per_s"])
+    t3 = time.perf_counter()
+    setup = MachineSetup(folder, json.loads(json.dumps(fp)), default, tree, methods,
+                         {"calibration": t1 - t0, "traces": t2 - t1, "choice": t3 - t2, "total": t3 - t0,
+                          "trace_prompts": len(recorded)},
+                         str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"))
+    write_json(setup.to_dict(), folder / "setup.json")
+    message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
+            f"{methods[default]['speedup']:.2f}x AR), static tree W{best.width} D{best.depth} V{best.size}")
+    return setup
+
+
+# ------------------------------------------------------------------------------------------------- dtype
+
+
+def dtype_candidates(device: str | torch.device = "cpu") -> tuple[str, ...]:
+    """The dtypes ``dtype="auto"`` chooses from: bfloat16 and float32 on a CPU (float16 matmuls have no fast CPU
+    kernels), bfloat16 and float16 on a GPU."""
+    return ("bfloat16", "float16") if torch.device(device).type == "cuda" else ("bfloat16", "float32")
+
+
+def fallback_dtype(device: str | torch.device = "cpu") -> str:
+    """The dtype ``auto`` takes when told not to measure: bfloat16 on a GPU or where the CPU has native bfloat16
+    (avx512_bf16, amx_bf16) and the kernels may use it (PyTorch at AVX512, oneDNN not limited below AVX-512),
+    else float32. A guess, not a measurement (``adaptree adapt`` measures)."""
+    from adaptree.core.machine import cpu_flags, kernel_level
+
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
+    limited = kernel_level().upper() != "AVX512" or not (isa == "ALL" or "AVX512" in isa or "AMX" in isa)
+    return "bfloat16" if native and not limited else "float32"
+
+
+def _dtype_file(model, head, device, max_seq_len) -> Path:
+    key = digest({**machine_fields(), "device": str(torch.device(device)), "model": str(model),
+                  "head": str(head), "max_seq_len": max_seq_len, "model_files": _files_digest(model, head)})
+    return machines_dir() / f"dtype-{key}.json"
+
+
+def _files_digest(model, head) -> list:
+    from adaptree.models import model_sha256, sha256_file
+
+    out = [model_sha256(model)]
+    if head not in (None, "none", "auto"):
+        f = Path(head) / "model.safetensors"
+        out.append(sha256_file(f) if f.is_file() else str(head))
+    return out
+
+
+def cached_dtype(model, head, device="cpu", max_seq_len=None) -> str | None:
+    """The dtype ``auto`` chose on this machine for this model and head before (None: never measured)."""
+    try:
+        return json.loads(_dtype_file(model, head, device, max_seq_len).read_text())["dtype"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def choose_dtype(load: Callable[..., object], model, head, device="cpu", max_seq_len=None,
+                 cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
+                 message: Callable[[str], None] = say):
+    """``dtype="auto"``: adapt a pipeline in each of :func:`dtype_candidates` and keep the one whose default method
+    models fastest (with no head: the faster AR step); cached per machine, model and head. ``load(dtype)`` returns
+    a pipeline without adapting. Returns the chosen pipeline, adapted."""
+    path = _dtype_file(model, head, device, max_seq_len)
+    if not force:
+        known = cached_dtype(model, head, device, max_seq_len)
+        if known is not None:
+            p = load(known)
+            if p.head is not None:
+                p.machine = adapt(p, cfg, progress=progress, message=message)
+            return p
+    from adaptree.offline.runs import write_json
+
+    message(f"choosing the dtype by measurement among {', '.join(dtype_candidates(device))} (once per machine)")
+    scores, best, best_score, traces = {}, None, -1.0, None
+    for name in dtype_candidates(device):
+        p = load(name)
+        if p.head is not None:
+            p.machine = adapt(p, cfg, force=force, progress=progress, message=message, traces=traces)
+            traces = traces or p.machine.traces  # acceptance does not depend on the dtype: trace once
+            score = p.machine.modelled_tokens_per_s()
+            scores[name] = {"method": p.machine.default_method, "tokens_per_s": score}
+        else:
+            score = 1.0 / _ar_step_s(p)
+            scores[name] = {"method": "ar", "tokens_per_s": score}
+        if score > best_score:
+            best, best_score = p, score
+        else:
+            del p
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json({"dtype": best.dtype_name, "scores": scores, "machine": machine_fields()}, path)
+    message("dtype " + best.dtype_name + " (" + ", ".join(f"{k}: {v['method']} {v['tokens_per_s']:.1f} tok/s modelled"
+                                                         for k, v in scores.items()) + ")")
+    return best
+
+
+@torch.inference_mode()
+def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
+    """Median seconds of one decode step at ``context`` tokens (the no-head dtype choice)."""
+    import statistics
+
+    target = pipeline.target
+    cache = target.new_cache(context + 2)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    times = []
+    for i in range(steps + 1):
+        cache.length = context
+        t0 = time.perf_counter()
+        target(tok, position_ids=torch.tensor([context], device=target.device), cache=cache)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,56 @@
+"""``adaptree adapt``: measure this machine for a model and head (or show the cached result)."""
+
+from __future__ import annotations
+
+import json
+
+from adaptree.cli import common
+from adaptree.cli.common import ConfigFlags, add_model_args, add_output_args
+
+
+def _adapt_flags() -> ConfigFlags:
+    from adaptree.adapt import AdaptConfig
+
+    return ConfigFlags(AdaptConfig, positive=("prompts", "max_new_tokens", "max_depth", "width", "repeats",
+                                              "validate_tokens"))
+
+
+def register(sub) -> None:
+    a = sub.add_parser("adapt", help="measure this machine once (latency model, dtype, static tree, default method; "
+                                     "cached): what bench, generate and adaptree.load() do on first use")
+    add_model_args(a, adapt=False)
+    _adapt_flags().add(a.add_argument_group("measurement"))
+    a.add_argument("--force", action="store_true", help="measure again even when a setup is cached")
+    add_output_args(a, json_help="print the setup as one JSON object")
+    a.set_defaults(func=cmd_adapt)
+
+
+def cmd_adapt(args) -> int:
+    from adaptree.adapt import choose_dtype
+
+    cfg = _adapt_flags().build(args)
+    progress = not args.quiet
+    if args.dtype == "auto":
+        from adaptree.api import load
+
+        def load_dtype(dt):
+            return load(args.model, head=args.draft, dtype=dt, threads=args.threads, max_seq_len=args.max_seq_len,
+                        adapt=False)
+
+        p = choose_dtype(load_dtype, args.model, args.draft, "cpu", args.max_seq_len, cfg, force=args.force,
+                         progress=progress)
+    else:
+        p = common.load_pipeline(args)
+        p.adapt(cfg, force=args.force, progress=progress)
+    setup = p.machine
+    if setup is None:
+        raise ValueError("adapting needs a draft head (--draft); with none the only method is ar")
+    if args.json:
+        print(json.dumps({**setup.to_dict(), "folder": str(setup.folder)}, indent=1))
+        return 0
+    fp = setup.fingerprint
+    print(f"machine: {fp['cpu']} ({', '.join(fp['cpu_flags'])}); PyTorch kernels {fp['cpu_capability']}, oneDNN "
+          f"{fp['onednn_max_isa']}; {fp['torch_threads']} torch threads; {fp['dtype']}")
+    print(f"setup: {setup.folder} (made {setup.created} in {setup.took_s.get('total', 0):.0f} s)")
+    print(setup.table())
+    return 0
