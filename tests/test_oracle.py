@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import N_NEW, PROMPTS, TRACE_SETTINGS
+from conftest import N_NEW, PROMPTS, TINY_THREADS, TRACE_SETTINGS
 
 from adaptree.methods import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
 from adaptree.methods.resps.controller import (
@@ -62,7 +62,7 @@ LATENCIES = {
 def _record(models, prompts, settings, tag="p"):
     target, head = models
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TINY_THREADS)
     try:
         return [record_trace(target, head, p, settings=settings, key=f"{tag}{i}") for i, p in enumerate(prompts)]
     finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_THREADS
 
 from adaptree.models import (
     DEFAULT_MODEL_NAME,
@@ -39,7 +40,7 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path / "cache"))
     assets._VERIFIED.clear()
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(TINY_THREADS)
     yield
     torch.set_num_threads(n)
 

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_head, tiny_target
+from conftest import TINY_THREADS, tiny_head, tiny_target
 
 from adaptree.core.batched import batched_generate
 from adaptree.core.engine import Engine
@@ -277,7 +277,7 @@ def _tiny_cfg(out, **kw):
 def tiny_run(tmp_path_factory):
     """One short self-distillation run on a tiny target (shared by the tests below)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # module scope: set up before conftest's per-test one-thread fixture
+    torch.set_num_threads(TINY_THREADS)  # module scope: set up before conftest's per-test one-thread fixture
     try:
         target = tiny_target(vocab=VOCAB, seed=7)
         items, prompts = _prompt_items(24, 6, seed=1)
