@@ -315,21 +315,20 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     if dtype == "auto":
         if measure:
             try:
-                return choose_dtype(lambda dt: load(model, head, dtype=dt, device=device, threads=threads,
-                                                    max_seq_len=max_seq_len, adapt=False),
-                                    model, head, device, max_seq_len, progress=progress)
+                return choose_dtype(lambda dt: _load(model, head, dt, device, max_seq_len), model, head, device,
+                                    max_seq_len, progress=progress)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False
         dtype = cached_dtype(model, head, device, max_seq_len) or fallback_dtype(device)
     p = _load(model, head, dtype, device, max_seq_len)
-    if p.head is not None:
+    if p.head is not None and not measure:
         p.machine = find_setup(p)
-        if p.machine is None and measure:
-            try:
-                p.adapt(progress=progress)
-            except AdaptError as e:
-                say(f"warning: could not measure this machine ({e}); the default method is ar")
+    elif p.head is not None:
+        try:
+            p.adapt(progress=progress)  # the cached setup, or measured now
+        except AdaptError as e:
+            say(f"warning: could not measure this machine ({e}); the default method is ar")
     return p
 
 

@@ -158,11 +158,7 @@ class MachineSetup:
     @property
     def assets(self) -> dict[str, str]:
         """Config option -> file, for the methods that take this machine's files (``make_controller(machine=...)``)."""
-        out = {"latency": str(self.latency_path), "tuned": str(self.static_gs_path)}
-        acc = self.acceptance_path
-        if acc is not None and acc.is_file():
-            out["acceptance"] = str(acc)
-        return out
+        return machine_assets(self.folder, self.acceptance_path)
 
     def latency(self):
         from adaptree.offline.latency import LatencyModel
@@ -204,6 +200,14 @@ class MachineSetup:
     @property
     def traces_prompts(self) -> int:
         return int(self.took_s.get("trace_prompts", 0))
+
+
+def machine_assets(folder: Path, acceptance: Path | None) -> dict[str, str]:
+    """The files of a setup folder as method options: ``latency``, ``tuned`` and (when it exists) ``acceptance``."""
+    out = {"latency": str(folder / "latency.json"), "tuned": str(folder / "static_gs.json")}
+    if acceptance is not None and acceptance.is_file():
+        out["acceptance"] = str(acceptance)
+    return out
 
 
 def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
@@ -348,9 +352,7 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
     tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup}
     write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",
                 "fingerprint": fp}, folder / "static_gs.json")
-    assets = {"latency": str(folder / "latency.json"), "tuned": str(folder / "static_gs.json"),
-              "acceptance": str(acc)}
-    methods = _model_methods(pipeline, cfg, recorded, cal.model, assets)
+    methods = _model_methods(pipeline, cfg, recorded, cal.model, machine_assets(folder, acc))
     ranked = [m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT]
     default = max(ranked, key=lambda m: methods[m]["tokens_per_s"])
     t3 = time.perf_counter()
@@ -377,13 +379,13 @@ def fallback_dtype(device: str | torch.device = "cpu") -> str:
     """The dtype ``auto`` takes when told not to measure: bfloat16 on a GPU or where the CPU has native bfloat16
     (avx512_bf16, amx_bf16) and the kernels may use it (PyTorch at AVX512, oneDNN not limited below AVX-512),
     else float32. A guess, not a measurement (``adaptree adapt`` measures)."""
-    from adaptree.core.machine import cpu_flags, kernel_level
+    from adaptree.core.machine import cpu_flags, kernel_level, onednn_max_isa
 
     if torch.device(device).type == "cuda":
         return "bfloat16"
-    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    isa = onednn_max_isa().upper()
     native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
-    limited = kernel_level().upper() != "AVX512" or not (isa == "ALL" or "AVX512" in isa or "AMX" in isa)
+    limited = kernel_level().upper() != "AVX512" or not (isa in ("DEFAULT", "ALL") or "AVX512" in isa or "AMX" in isa)
     return "bfloat16" if native and not limited else "float32"
 
 
@@ -452,17 +454,18 @@ def choose_dtype(load: Callable[..., object], model, head, device="cpu", max_seq
 
 @torch.inference_mode()
 def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
-    """Median seconds of one decode step at ``context`` tokens (the no-head dtype choice)."""
-    import statistics
+    """Median seconds of one decode step at ``context`` tokens (the no-head dtype choice), timed like the
+    calibration's shapes."""
+    from adaptree.offline.latency import _time
 
     target = pipeline.target
     cache = target.new_cache(context + 2)
     tok = torch.zeros(1, 1, dtype=torch.long, device=target.device)
-    times = []
-    for i in range(steps + 1):
+    pos = torch.tensor([context], device=target.device)
+
+    def step():
         cache.length = context
-        t0 = time.perf_counter()
-        target(tok, position_ids=torch.tensor([context], device=target.device), cache=cache)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        target(tok, position_ids=pos, cache=cache)
+
+    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    return _time(step, steps, sync)

@@ -58,12 +58,17 @@ def kernel_level() -> str:
         return "unknown"
 
 
+def onednn_max_isa() -> str:
+    """oneDNN's ISA limit (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``); ``default`` when unset."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "default"
+
+
 def machine_profile() -> dict:
     """The fingerprint of this machine for timings: CPU model, its kernel-relevant flags, PyTorch's and oneDNN's
     kernel levels, cores, torch threads and version, platform, and the GPU when there is one."""
     info = {
         "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_capability": kernel_level(),
-        "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "default",
+        "onednn_max_isa": onednn_max_isa(),
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "platform": platform.platform(),
     }
