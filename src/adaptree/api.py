@@ -30,6 +30,25 @@ from adaptree.methods import make_controller
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtype names :func:`load` takes (and ``"auto"``: chosen by measurement on this machine)."""
 
+WEIGHTS = ("float", "int4")
+"""How :func:`load` runs the weights: ``float`` (dequantised to the dtype) or ``int4`` (a GGUF model's own 4-bit
+blocks run by PyTorch's int4 CPU kernel, :mod:`adaptree.models.quant`); ``"auto"``: chosen by measurement."""
+
+
+def execution_name(dtype: str, weights: str = "float") -> str:
+    """An execution mode's name: the dtype, with ``+int4`` when the weights run packed (``"bfloat16+int4"``)."""
+    return dtype if weights == "float" else f"{dtype}+{weights}"
+
+
+def parse_execution(name: str) -> tuple[str, str]:
+    """``"bfloat16+int4"`` -> ``("bfloat16", "int4")``; a ValueError names a bad mode."""
+    dtype, _, weights = name.partition("+")
+    weights = weights or "float"
+    if dtype not in DTYPES or weights not in WEIGHTS:
+        raise ValueError(f"execution mode {name!r} is not one of dtype[+weights] with dtype in {', '.join(DTYPES)} "
+                         f"and weights in {', '.join(WEIGHTS)}")
+    return dtype, weights
+
 Messages = Sequence[dict[str, str]]
 """A conversation: ``[{"role": "user", "content": "..."}, ...]``."""
 
@@ -150,13 +169,15 @@ class Pipeline:
     """
 
     def __init__(self, target, tokenizer, head=None, *, model: str | None = None, head_folder: str | Path | None = None,
-                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, weights: str = "float") -> None:
         self.target, self.tokenizer, self.head = target, tokenizer, head
         self.model = model
         """The model as given to :func:`load` (a short name, a path, or None for the default)."""
         self.head_folder = Path(head_folder) if head_folder else None
         """The head's folder: learned methods' policies and the tuned static tree are found next to it."""
         self.dtype = dtype
+        self.weights = weights
+        """``float`` or ``int4`` (:data:`WEIGHTS`)."""
         self.max_seq_len = max_seq_len
         self.engine = Engine(target, head, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=max_seq_len)
         self.machine = None
@@ -175,7 +196,8 @@ class Pipeline:
         from adaptree.models import model_sha256, sha256_file
 
         head = self.head_folder
-        return {"model": self.model_label, "dtype": self.dtype_name, "model_sha256": model_sha256(self.model),
+        return {"model": self.model_label, "dtype": self.dtype_name, "weights": self.weights,
+                "attention": str(self.target.attn_dtype).removeprefix("torch."), "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
 
@@ -210,6 +232,11 @@ class Pipeline:
     def dtype_name(self) -> str:
         """The dtype as :func:`load` takes it (``"bfloat16"``, ...)."""
         return next(name for name, d in DTYPES.items() if d == self.dtype)
+
+    @property
+    def execution(self) -> str:
+        """The execution mode (:func:`execution_name`: ``"bfloat16"``, ``"bfloat16+int4"``, ...)."""
+        return execution_name(self.dtype_name, self.weights)
 
     def use_chat(self, chat: bool | None = None) -> bool:
         """Whether a text prompt goes through the chat template: ``chat``, or (None) when the model has one."""
@@ -280,14 +307,14 @@ class Pipeline:
 
 
 def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "auto",
-         device: str | torch.device = "cpu", threads: int | None = None, max_seq_len: int | None = None,
-         adapt: bool | None = None, progress: bool = True) -> Pipeline:
+         weights: str = "auto", device: str | torch.device = "cpu", threads: int | None = None,
+         max_seq_len: int | None = None, adapt: bool | None = None, progress: bool = True) -> Pipeline:
     """Load a target model, its tokenizer and an EAGLE-3 draft head, adapted to this machine.
 
-    On the first use with a machine profile (CPU and its kernels, torch threads, dtype, model and head) it
-    measures the machine once (about two minutes on the default model, saying so in one line, with progress
-    bars) and caches the result (:mod:`adaptree.adapt`): the latency model, the static tree and the default
-    method for this machine; later loads find it in a fraction of a second.
+    On the first use with a machine profile (CPU and its kernels, torch threads, execution mode, model and head)
+    it measures the machine once (a few minutes on the default model, saying so in one line, with progress bars)
+    and caches the result (:mod:`adaptree.adapt`): the execution mode, the latency model, the static tree and the
+    default method for this machine; later loads find it in a fraction of a second.
 
     :param model: a registered short name (``smollm2-135m``, the default; ``qwen2.5-coder-0.5b``, ...), a Hugging
         Face checkpoint folder or a ``.gguf`` file.
@@ -295,33 +322,42 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         (``config.json`` + ``model.safetensors``), or None for no head (autoregressive decoding only).
     :param dtype: ``"auto"`` (the one this machine runs fastest, chosen by measurement and cached), ``"float32"``
         (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
+    :param weights: ``"auto"`` (chosen with the dtype), ``"float"`` (dequantised to ``dtype``) or ``"int4"`` (a GGUF
+        model's own 4-bit blocks, :mod:`adaptree.models.quant`; CPU only).
     :param device: ``"cpu"`` or a CUDA device.
     :param threads: torch's CPU threads; torch's setting is process-wide, so this changes it for the whole
         process (None leaves it alone).
     :param max_seq_len: context limit (default: the model's, at most 8192).
     :param adapt: measure the machine when no setup is cached (None: unless ``$ADAPTREE_ADAPT=0``). False never
-        measures: a cached setup is still used, ``dtype="auto"`` takes the cached choice or, without one,
+        measures: a cached setup is still used, ``"auto"`` takes the cached choice or, without one, float weights in
         bfloat16 where the hardware has native bfloat16 and float32 elsewhere, and the default method is ``ar``.
     :param progress: progress bars while measuring.
     """
-    from adaptree.adapt.setup import (AdaptError, adapt_enabled, cached_dtype, choose_dtype, fallback_dtype,
-                                      find_setup, say)
+    from adaptree.adapt.setup import (AdaptError, adapt_enabled, cached_execution, choose_execution,
+                                      execution_candidates, fallback_execution, find_setup, say)
 
     if threads is not None:  # first: the thread count is part of the machine profile
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(int(threads))
+    if weights != "auto" and weights not in WEIGHTS:
+        raise ValueError(f"weights {weights!r} is not supported; use auto or one of {', '.join(WEIGHTS)}")
+    if dtype != "auto":
+        dtype = next(n for n, d in DTYPES.items() if d == dtype_of(dtype))
     measure = adapt_enabled(adapt)
-    if dtype == "auto":
+    mode = execution_name(dtype, weights)
+    if "auto" in (dtype, weights):
+        candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_dtype(lambda dt: _load(model, head, dt, device, max_seq_len), model, head, device,
-                                    max_seq_len, progress=progress)
+                return choose_execution(lambda m: _load(model, head, m, device, max_seq_len, measure), candidates,
+                                        model, head, device, max_seq_len, progress=progress)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False
-        dtype = cached_dtype(model, head, device, max_seq_len) or fallback_dtype(device)
-    p = _load(model, head, dtype, device, max_seq_len)
+        mode = (cached_execution(candidates, model, head, device, max_seq_len)
+                or fallback_execution(candidates, device))
+    p = _load(model, head, mode, device, max_seq_len, measure)
     if p.head is not None and not measure:
         p.machine = find_setup(p)
     elif p.head is not None:
@@ -332,14 +368,19 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     return p
 
 
-def _load(model, head, dtype, device, max_seq_len) -> Pipeline:
+def _load(model, head, mode: str, device, max_seq_len, measure: bool = False) -> Pipeline:
+    from adaptree.adapt.setup import attention_dtype
     from adaptree.models import load_model, shipped_head
     from adaptree.models.eagle3 import Eagle3Head
+    from adaptree.models.llama import set_attention_dtype
 
+    dtype, weights = parse_execution(mode)
     dt = dtype_of(dtype)
     if max_seq_len is not None and int(max_seq_len) < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len)
+    if weights == "int4" and torch.device(device).type != "cpu":
+        raise ValueError(f"weights='int4' runs on the CPU only, not on {device}")
+    target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
     if head == "auto":
         head_folder = shipped_head(model)
     elif head is None or head == "none":
@@ -352,5 +393,9 @@ def _load(model, head, dtype, device, max_seq_len) -> Pipeline:
         target.to(dev)
         if draft is not None:
             draft.to(dev)
+    attn = attention_dtype(target, measure)
+    set_attention_dtype(target, attn)
+    if draft is not None:
+        set_attention_dtype(draft, attn)
     return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
-                    dtype=dt, max_seq_len=max_seq_len)
+                    dtype=dt, max_seq_len=max_seq_len, weights=weights)

@@ -13,8 +13,9 @@ caches under ``$ADAPTREE_CACHE/machines``:
 
 The traces (greedy, machine-independent: acceptance does not depend on the hardware) and the acceptance
 calibration of ``costaware`` are cached once per model and head under ``$ADAPTREE_CACHE/traces``.
-:func:`~adaptree.adapt.setup.choose_dtype` is ``dtype="auto"``: it adapts each candidate dtype and keeps the one
-whose best method models fastest. :func:`adaptree.load` runs both on first use unless told not to.
+:func:`~adaptree.adapt.setup.choose_execution` is ``dtype="auto"`` / ``weights="auto"``: it adapts each candidate
+execution mode (bfloat16, float32, bfloat16 with the GGUF's int4 weights) and keeps the one whose best method models
+fastest; :func:`~adaptree.adapt.setup.attention_dtype` times attention in the model's dtype against float32. :func:`adaptree.load` runs both on first use unless told not to.
 """
 
 from adaptree.adapt.setup import (
@@ -22,10 +23,12 @@ from adaptree.adapt.setup import (
     AdaptError,
     MachineSetup,
     adapt,
-    choose_dtype,
+    attention_dtype,
+    choose_execution,
     find_setup,
     fingerprint,
     machines_dir,
 )
 
-__all__ = ["AdaptConfig", "AdaptError", "MachineSetup", "adapt", "choose_dtype", "find_setup", "fingerprint", "machines_dir"]
+__all__ = ["AdaptConfig", "AdaptError", "MachineSetup", "adapt", "attention_dtype", "choose_execution", "find_setup",
+           "fingerprint", "machines_dir"]

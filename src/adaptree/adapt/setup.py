@@ -81,6 +81,7 @@ def fingerprint(pipeline) -> dict:
     from adaptree.offline.store import head_fingerprint, model_fingerprint
 
     return {**machine_fields(), "device": str(pipeline.target.device), "dtype": pipeline.dtype_name,
+            "weights": pipeline.weights, "attention": str(pipeline.target.attn_dtype).removeprefix("torch."),
             "model": model_fingerprint(pipeline.target),
             "head": head_fingerprint(pipeline.head) if pipeline.head is not None else None}
 
@@ -375,6 +376,28 @@ def dtype_candidates(device: str | torch.device = "cpu") -> tuple[str, ...]:
     return ("bfloat16", "float16") if torch.device(device).type == "cuda" else ("bfloat16", "float32")
 
 
+def execution_candidates(model, device: str | torch.device = "cpu", dtype: str = "auto",
+                         weights: str = "auto") -> tuple[str, ...]:
+    """The execution modes (:func:`adaptree.api.execution_name`: ``"bfloat16"``, ``"float32"``,
+    ``"bfloat16+int4"``) that ``dtype``/``weights`` leave to choose, ``"auto"`` meaning any. ``int4`` (the GGUF's
+    4-bit blocks run by PyTorch's int4 kernel) is a candidate on a CPU for a GGUF model, with bfloat16 or float16
+    activations (its float32 kernel is a slow reference)."""
+    from adaptree.api import execution_name
+    from adaptree.models.assets import model_source
+    from adaptree.models.gguf_file import is_gguf_file
+
+    dtypes = dtype_candidates(device) if dtype == "auto" else (dtype,)
+    out = []
+    for dt in dtypes:
+        for w in (("float", "int4") if weights == "auto" else (weights,)):
+            if w == "int4" and weights == "auto":
+                path, _ = model_source(model, hash_it=False)
+                if torch.device(device).type != "cpu" or dt == "float32" or not (path is None or is_gguf_file(path)):
+                    continue
+            out.append(execution_name(dt, w))
+    return tuple(out)
+
+
 def fallback_dtype(device: str | torch.device = "cpu") -> str:
     """The dtype ``auto`` takes when told not to measure: bfloat16 on a GPU or where the CPU has native bfloat16
     (avx512_bf16, amx_bf16) and the kernels may use it (PyTorch at AVX512, oneDNN not limited below AVX-512),
@@ -389,10 +412,18 @@ def fallback_dtype(device: str | torch.device = "cpu") -> str:
     return "bfloat16" if native and not limited else "float32"
 
 
-def _dtype_file(model, head, device, max_seq_len) -> Path:
+def fallback_execution(candidates: Sequence[str], device: str | torch.device = "cpu") -> str:
+    """The mode ``auto`` takes when told not to measure: float weights in :func:`fallback_dtype` when that is a
+    candidate, else the first candidate."""
+    want = fallback_dtype(device)
+    return want if want in candidates else candidates[0]
+
+
+def _execution_file(model, head, device, max_seq_len, candidates: Sequence[str]) -> Path:
     key = digest({**machine_fields(), "device": str(torch.device(device)), "model": str(model),
-                  "head": str(head), "max_seq_len": max_seq_len, "model_files": _files_digest(model, head)})
-    return machines_dir() / f"dtype-{key}.json"
+                  "head": str(head), "max_seq_len": max_seq_len, "model_files": _files_digest(model, head),
+                  "candidates": list(candidates)})
+    return machines_dir() / f"execution-{key}.json"
 
 
 def _files_digest(model, head) -> list:
@@ -405,37 +436,41 @@ def _files_digest(model, head) -> list:
     return out
 
 
-def cached_dtype(model, head, device="cpu", max_seq_len=None) -> str | None:
-    """The dtype ``auto`` chose on this machine for this model and head before (None: never measured)."""
+def cached_execution(candidates: Sequence[str], model, head, device="cpu", max_seq_len=None) -> str | None:
+    """The mode ``auto`` chose among ``candidates`` on this machine for this model and head before (None: never
+    measured)."""
     try:
-        return json.loads(_dtype_file(model, head, device, max_seq_len).read_text())["dtype"]
+        found = json.loads(_execution_file(model, head, device, max_seq_len, candidates).read_text())["execution"]
     except (OSError, ValueError, KeyError):
         return None
+    return found if found in candidates else None
 
 
-def choose_dtype(load: Callable[..., object], model, head, device="cpu", max_seq_len=None,
-                 cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
-                 message: Callable[[str], None] = say):
-    """``dtype="auto"``: adapt a pipeline in each of :func:`dtype_candidates` and keep the one whose default method
-    models fastest (with no head: the faster AR step); cached per machine, model and head. ``load(dtype)`` returns
-    a pipeline without adapting. Returns the chosen pipeline, adapted."""
-    path = _dtype_file(model, head, device, max_seq_len)
-    if not force:
-        known = cached_dtype(model, head, device, max_seq_len)
-        if known is not None:
-            p = load(known)
-            if p.head is not None:
-                p.machine = adapt(p, cfg, progress=progress, message=message)
-            return p
+def choose_execution(load: Callable[..., object], candidates: Sequence[str], model, head, device="cpu",
+                     max_seq_len=None, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
+                     message: Callable[[str], None] = say):
+    """``dtype="auto"`` / ``weights="auto"``: adapt a pipeline in each of ``candidates`` (execution modes) and keep
+    the one whose default method models fastest (with no head: the faster AR step); cached per machine, model,
+    head and candidate set. ``load(mode)`` returns a pipeline without adapting. Returns the chosen pipeline,
+    adapted."""
+    if not candidates:
+        raise ValueError("no execution mode to choose from")
+    path = _execution_file(model, head, device, max_seq_len, candidates)
+    known = None if force else cached_execution(candidates, model, head, device, max_seq_len)
+    if known is not None or len(candidates) == 1:
+        p = load(known or candidates[0])
+        if p.head is not None:
+            p.machine = adapt(p, cfg, force=force, progress=progress, message=message)
+        return p
     from adaptree.offline.runs import write_json
 
-    message(f"choosing the dtype by measurement among {', '.join(dtype_candidates(device))} (once per machine)")
+    message(f"choosing the execution mode by measurement among {', '.join(candidates)} (once per machine)")
     scores, best, best_score, traces = {}, None, -1.0, None
-    for name in dtype_candidates(device):
+    for name in candidates:
         p = load(name)
         if p.head is not None:
             p.machine = adapt(p, cfg, force=force, progress=progress, message=message, traces=traces)
-            traces = traces or p.machine.traces  # acceptance does not depend on the dtype: trace once
+            traces = traces or p.machine.traces  # acceptance does not depend on the mode: trace once
             score = p.machine.modelled_tokens_per_s()
             scores[name] = {"method": p.machine.default_method, "tokens_per_s": score}
         else:
@@ -446,9 +481,9 @@ def choose_dtype(load: Callable[..., object], model, head, device="cpu", max_seq
         else:
             del p
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json({"dtype": best.dtype_name, "scores": scores, "machine": machine_fields()}, path)
-    message("dtype " + best.dtype_name + " (" + ", ".join(f"{k}: {v['method']} {v['tokens_per_s']:.1f} tok/s modelled"
-                                                         for k, v in scores.items()) + ")")
+    write_json({"execution": best.execution, "scores": scores, "machine": machine_fields()}, path)
+    message("execution " + best.execution + " (" + ", ".join(
+        f"{k}: {v['method']} {v['tokens_per_s']:.1f} tok/s modelled" for k, v in scores.items()) + ")")
     return best
 
 
@@ -469,3 +504,58 @@ def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
 
     sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
     return _time(step, steps, sync)
+
+
+def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256, repeats: int = 30) -> float:
+    """Median seconds of one attention call of ``target``'s shape (its heads and head size) in ``dtype``: ``queries``
+    new positions over ``context`` cached keys."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    cfg = target.config
+    dev = target.device
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, cfg.num_attention_heads, queries, cfg.head_dim, generator=gen).to(dev, dtype)
+    k = torch.randn(1, cfg.num_key_value_heads, context + queries, cfg.head_dim, generator=gen).to(dev, dtype)
+    mask = torch.ones(queries, context + queries, dtype=torch.bool, device=dev) if queries > 1 else None
+    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 3):
+        sync()
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=gqa)
+        sync()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def attention_dtype(target, measure: bool = True) -> torch.dtype:
+    """The dtype of rotary, KV cache and attention for ``target`` on this machine (``llama.set_attention_dtype``):
+    float32 for a float32 model; otherwise the faster of the model's dtype and float32 for one decode query and
+    a 16-node tree over 256 cached keys (the sum of both), measured once per machine, dtype and attention shape
+    and cached in ``$ADAPTREE_CACHE/machines``. Without measuring (``measure=False`` and nothing cached): float32
+    on a CPU (bfloat16 attention was 3-10x slower for one query on both AVX-512-bf16 and AVX2 kernels), the
+    model's dtype on a GPU."""
+    if target.dtype == torch.float32:
+        return torch.float32
+    cfg = target.config
+    key = digest({**machine_fields(), "device": str(target.device), "dtype": str(target.dtype),
+                  "shape": [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]})
+    path = machines_dir() / f"attention-{key}.json"
+    try:
+        return getattr(torch, json.loads(path.read_text())["attention"])
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    if not measure:
+        return torch.float32 if target.device.type == "cpu" else target.dtype
+    from adaptree.offline.runs import write_json
+
+    times = {str(dt).removeprefix("torch."): sum(_time_attention(target, dt, n) for n in (1, 16))
+             for dt in (target.dtype, torch.float32)}
+    best = min(times, key=times.get)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json({"attention": best, "seconds": times, "machine": machine_fields()}, path)
+    return getattr(torch, best)

@@ -26,22 +26,20 @@ def register(sub) -> None:
 
 
 def cmd_adapt(args) -> int:
-    from adaptree.adapt import choose_dtype
+    from adaptree.adapt.setup import choose_execution, execution_candidates
+    from adaptree.api import load, parse_execution
 
     cfg = _adapt_flags().build(args)
     progress = not args.quiet
-    if args.dtype == "auto":
-        from adaptree.api import load
 
-        def load_dtype(dt):
-            return load(args.model, head=args.draft, dtype=dt, threads=args.threads, max_seq_len=args.max_seq_len,
-                        adapt=False)
+    def load_mode(mode):
+        dtype, weights = parse_execution(mode)
+        return load(args.model, head=args.draft, dtype=dtype, weights=weights, threads=args.threads,
+                    max_seq_len=args.max_seq_len, adapt=False)
 
-        p = choose_dtype(load_dtype, args.model, args.draft, "cpu", args.max_seq_len, cfg, force=args.force,
-                         progress=progress)
-    else:
-        p = common.load_pipeline(args)
-        p.adapt(cfg, force=args.force, progress=progress)
+    candidates = execution_candidates(args.model, "cpu", args.dtype, args.weights)
+    p = choose_execution(load_mode, candidates, args.model, args.draft, "cpu", args.max_seq_len, cfg,
+                         force=args.force, progress=progress)
     setup = p.machine
     if setup is None:
         raise ValueError("adapting needs a draft head (--draft); with none the only method is ar")
@@ -50,7 +48,7 @@ def cmd_adapt(args) -> int:
         return 0
     fp = setup.fingerprint
     print(f"machine: {fp['cpu']} ({', '.join(fp['cpu_flags'])}); PyTorch kernels {fp['cpu_capability']}, oneDNN "
-          f"{fp['onednn_max_isa']}; {fp['torch_threads']} torch threads; {fp['dtype']}")
+          f"{fp['onednn_max_isa']}; {fp['torch_threads']} torch threads; {p.execution} (attention in {fp.get('attention')})")
     print(f"setup: {setup.folder} (made {setup.created} in {setup.took_s.get('total', 0):.0f} s)")
     print(setup.table())
     return 0

@@ -377,6 +377,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default=dtype,
                    help=f"weights and activations; auto = the one this machine runs fastest (measured once, cached), "
                         f"float32 for bit-exact lossless greedy output (default {dtype}{why})")
+    g.add_argument("--weights", choices=["auto", "float", "int4"], default="auto" if dtype == "auto" else "float",
+                   help="float = dequantised to --dtype; int4 = the GGUF file's own 4-bit blocks run by PyTorch's "
+                        "int4 CPU kernel (docs/performance.md); auto = chosen with the dtype by measurement "
+                        f"(default {'auto' if dtype == 'auto' else 'float'})")
     g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="context limit (default: the model's, <= 8192)")
@@ -392,7 +396,8 @@ def load_pipeline(args: argparse.Namespace):
     use (the method flags find policies next to it)."""
     from adaptree.api import load
 
-    p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, threads=args.threads,
+    p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, weights=args.weights,
+             threads=args.threads,
              max_seq_len=args.max_seq_len, adapt=getattr(args, "adapt", False),
              progress=not getattr(args, "quiet", False))
     args.draft_path = str(p.head_folder) if p.head_folder else None

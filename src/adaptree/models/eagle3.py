@@ -329,6 +329,11 @@ class Eagle3Head(nn.Module):
         return self.fc.weight.device
 
     @property
+    def attn_dtype(self) -> torch.dtype:
+        """The dtype of rotary, the KV cache and attention (``llama.set_attention_dtype``; default: :attr:`dtype`)."""
+        return getattr(self, "_attn_dtype", None) or self.dtype
+
+    @property
     def embedding_weight(self) -> torch.Tensor | None:
         """The ``[vocab, H]`` embedding table in use (own or borrowed), None when there is none."""
         if self.embed_tokens is not None:
@@ -385,7 +390,7 @@ class Eagle3Head(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """A one-layer KV cache for ``max_len`` positions in the head's dtype/device."""
         cfg = self.config
-        return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device, batch)
+        return KVCache(1, cfg.num_key_value_heads, cfg.head_dim, max_len, self.attn_dtype, self.device, batch)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, tree_mask: torch.Tensor | None = None,
@@ -426,7 +431,7 @@ class Eagle3Head(nn.Module):
         position_ids = position_ids.to(h.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        cos, sin = self._rope(position_ids, h.dtype)
+        cos, sin = self._rope(position_ids, self.attn_dtype)
         mask = build_attn_mask(past, tree_mask, t, h.device)
         emb = self._embed(input_ids, h)
         out = self.midlayer(emb, h, cos, sin, cache, mask)

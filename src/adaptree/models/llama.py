@@ -190,12 +190,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.attn_dtype: torch.dtype | None = None
+        """The dtype of rotary, the KV cache and attention (None: the projections' own); see
+        :func:`set_attention_dtype`."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
                 layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         h, kv = self.n_heads, self.n_kv
-        qkv = self.qkv_proj(x).view(b, t, h + 2 * kv, self.head_dim).transpose(1, 2)
+        qkv = self.qkv_proj(x)
+        if self.attn_dtype is not None and qkv.dtype != self.attn_dtype:
+            qkv = qkv.to(self.attn_dtype)  # rotary, cache and attention in the attention dtype
+        qkv = qkv.view(b, t, h + 2 * kv, self.head_dim).transpose(1, 2)
         if self.q_norm is None:
             qk = apply_rope(qkv[:, : h + kv], cos, sin)  # q and k heads rotated together
             q, k = qk[:, :h], qk[:, h:]
@@ -214,7 +220,23 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, h * self.head_dim).to(x.dtype))
+
+
+def set_attention_dtype(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Run rotary, the KV cache and attention of every :class:`Attention` in ``module`` in ``dtype`` (None: the
+    projections' dtype), with the projections staying in theirs.
+
+    On a CPU, bfloat16 attention over a KV cache is slow for the few queries of a decode step or a small tree:
+    one query over 256 keys (SmolLM2's shape, 2 threads) took 217 us in bfloat16 against 22 us in float32 with
+    AVX-512 kernels, 149 against 35 us with AVX2 ones; 16 queries 118 against 112 us. Which dtype is faster is
+    measured per machine (:func:`adaptree.adapt.attention_dtype`); a model's caches follow it
+    (``new_cache``), so a cache must be made after this is set.
+    """
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.attn_dtype = dtype
+    module._attn_dtype = dtype
 
 
 class MLP(nn.Module):
@@ -279,16 +301,21 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.norm.weight.dtype  # the activations' dtype (the lm_head may hold packed weights)
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
+
+    @property
+    def attn_dtype(self) -> torch.dtype:
+        """The dtype of rotary, the KV cache and attention (:func:`set_attention_dtype`; default: :attr:`dtype`)."""
+        return getattr(self, "_attn_dtype", None) or self.dtype
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                       max_len or self.max_seq_len, self.dtype, self.device, batch)
+                       max_len or self.max_seq_len, self.attn_dtype, self.device, batch)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, tree_mask: torch.Tensor | None = None,
@@ -314,7 +341,7 @@ class Transformer(nn.Module):
             position_ids = position_ids.unsqueeze(0)
         if int(position_ids.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(position_ids.max())} exceeds the model's context limit {self.max_seq_len}")
-        cos, sin = self.rotary(position_ids, self.dtype)
+        cos, sin = self.rotary(position_ids, self.attn_dtype)
         mask = build_attn_mask(past, tree_mask, t, input_ids.device)
         x = self.model.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}

@@ -62,13 +62,27 @@ def float_cache_folder(name_or_path: str | Path | None = None, dtype: torch.dtyp
 
 
 def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               max_seq_len: int | None = None, cache: bool = True) -> tuple[Transformer, TokenizerBundle]:
+               max_seq_len: int | None = None, cache: bool = True,
+               weights: str = "float") -> tuple[Transformer, TokenizerBundle]:
     """Load a target model and its :class:`~adaptree.models.tokenizer.TokenizerBundle` by short name or path.
 
     GGUF models (every registered one, or a local ``.gguf``) go through the cached float form
-    (:func:`float_cache_folder`) unless ``cache=False``; Hugging Face folders load directly. Returns
-    ``(Transformer, TokenizerBundle)``.
+    (:func:`float_cache_folder`) unless ``cache=False``; Hugging Face folders load directly. ``weights="int4"``
+    then runs the GGUF file's 4-bit blocks packed (:func:`adaptree.models.quant.pack_model`; GGUF models only).
+    Returns ``(Transformer, TokenizerBundle)``.
     """
+    if weights not in ("float", "int4"):
+        raise ValueError(f"weights must be 'float' or 'int4', got {weights!r}")
+    if weights == "int4":
+        from adaptree.models.gguf_file import read_gguf
+        from adaptree.models.quant import pack_model
+
+        path, _ = model_source(name_or_path, hash_it=False)
+        if path is not None and not is_gguf_file(path):
+            raise ValueError(f"weights='int4' runs a GGUF file's 4-bit blocks; {path} is not a GGUF file")
+        model, bundle = load_model(name_or_path, dtype, max_seq_len, cache)
+        pack_model(model, read_gguf(path if path is not None else resolve_model(name_or_path)), dtype)
+        return model, bundle
     dtype_name(dtype)
     path, _ = model_source(name_or_path, hash_it=False)
     if (path is not None and not is_gguf_file(path)) or not cache:
