@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PARTS", "profile_forward", "profile_table"]
+__all__ = ["PARTS", "profile_forward", "profile_table", "run_profile"]
 
 PARTS = ("matmul", "attention", "norm", "rope", "kv cache", "mlp act", "lm_head", "other", "dispatch")
 
@@ -162,3 +162,30 @@ def profile_table(rows: list[dict]) -> str:
         parts = " | ".join(f"{r['split_ms'][p]:.2f}" for p in PARTS)
         lines.append(f"| {r['tokens']} | {r['wall_ms']:.2f} | {r['profiled_ms']:.2f} | {parts} |")
     return "\n".join(lines)
+
+
+def run_profile(pipeline, out, context: int = 256, tokens: Sequence[int] = (1, 4, 16, 64), repeats: int = 20,
+                command: str = "") -> dict:
+    """:func:`profile_forward` on ``pipeline``'s target; writes ``profile.json`` (rows, execution mode, machine
+    profile) and ``profile.md`` (the table) to ``out`` and prints the table."""
+    from pathlib import Path
+
+    from adaptree.core.machine import machine_info
+    from adaptree.offline.runs import check_out_dir, write_json
+
+    folder = check_out_dir(out)
+    rows = profile_forward(pipeline.target, context, tokens, repeats)
+    result = {"command": command, "settings": pipeline.settings(), "execution": pipeline.execution,
+              "machine": machine_info(), "rows": rows}
+    write_json(result, Path(folder) / "profile.json")
+    m = result["machine"]
+    table = profile_table(rows)
+    text = (f"# Forward profile: {pipeline.model_label}, {pipeline.execution} (attention in "
+            f"{result['settings']['attention']}), {context} cached tokens\n\n"
+            f"Machine: {m['cpu']}; PyTorch kernels {m['cpu_capability']}, oneDNN {m['onednn_max_isa']}, "
+            f"{m['torch_threads']} torch threads, torch {m['torch']}.\n\n"
+            f"Milliseconds per forward: `wall` is the median of {repeats} unprofiled forwards; the parts are operator "
+            f"self-times under torch.profiler (which slows them: `profiled`).\n\n{table}\n")
+    (Path(folder) / "profile.md").write_text(text)
+    print(table)
+    return result

@@ -144,7 +144,7 @@ def print_table(summary: dict) -> None:
     print()
     print(format_table(HEADER, table_rows(summary), left=2))
     s = summary.get("settings", {})
-    print(f"model {s.get('model')}, dtype {s.get('dtype')}, threads {s.get('threads')}, "
+    print(f"model {s.get('model')}, dtype {s.get('dtype')}, weights {s.get('weights', 'float')}, attention {s.get('attention', s.get('dtype'))}, threads {s.get('threads')}, "
           f"{'greedy' if summary['greedy'] else 'T=' + str(summary['config']['temperature'])}; "
           f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
@@ -176,7 +176,7 @@ def write_report(summary: dict, out: Path) -> None:
         lines += ["Command: `" + summary["command"] + "`", ""]
     lines += [f"- model: {s.get('model')} (sha256 {str(s.get('model_sha256'))[:16]}…), draft head: {s.get('draft')} "
               f"(sha256 {str(s.get('draft_sha256'))[:16]}…)",
-              f"- dtype {s.get('dtype')}, threads {s.get('threads')}, max new tokens {c.get('max_new_tokens')} per turn, "
+              f"- dtype {s.get('dtype')}, weights {s.get('weights', 'float')}, attention {s.get('attention', s.get('dtype'))}, threads {s.get('threads')}, max new tokens {c.get('max_new_tokens')} per turn, "
               f"temperature {c.get('temperature')}, repeats {c.get('repeats')}, prompts per dataset {c.get('limit')}, "
               f"turns {c.get('turns') or 'all'}",
               f"- machine: {m.get('cpu')} ({m.get('cores')} cores), {m.get('platform')}; python {m.get('python')}, "

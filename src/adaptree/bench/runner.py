@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from adaptree.bench.hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
+from adaptree.bench.llama_cpp_arm import LLAMA_CPP_METHODS
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.offline.runs import check_out_dir
@@ -37,9 +38,12 @@ MethodOptions = Mapping[str, Mapping[str, Any]]
 RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
 # Settings that change what a record measures: a results folder holds records of one setting only.
-_RUN_KEYS = ("model", "dtype", "draft_sha256", "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k",
+_RUN_KEYS = ("model", "dtype", "weights", "attention", "draft_sha256", "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k",
              "seed", "threads")
 
+
+REFERENCE_METHODS = (*HF_METHODS, *LLAMA_CPP_METHODS)
+"""Arms that are not the engine: transformers' generate and llama.cpp on the same weights."""
 
 MAIN_JOB_METHODS = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar")
 """``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the static tree chosen for this machine, the
@@ -52,8 +56,9 @@ class BenchConfig:
     """What to run. Defaults: the README's main job (default model, small MT-bench + HumanEval subset)."""
 
     methods: list[str] = field(default_factory=lambda: list(MAIN_JOB_METHODS))
-    """Arms: engine methods (ar, static, ...) and Hugging Face references (hf_generate, hf_prompt_lookup,
-    hf_assisted). Must include ``ar``: speedups are measured against it."""
+    """Arms: engine methods (ar, static, ...) and reference arms: Hugging Face (hf_generate, hf_prompt_lookup,
+    hf_assisted) and llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python). Must include
+    ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     """Benchmarks: mt_bench, humaneval, sharegpt."""
     question_file: str | None = None
@@ -91,7 +96,7 @@ class BenchConfig:
         from adaptree.data.prompts import DATASETS
         from adaptree.methods import METHODS
 
-        valid = (*METHODS, *HF_METHODS)
+        valid = (*METHODS, *REFERENCE_METHODS)
         if not self.methods:
             raise ValueError(f"no methods given; available: {', '.join(valid)}")
         for m in self.methods:
@@ -164,8 +169,22 @@ def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptio
     hf = None
     engine = pipeline.engine
     for m in cfg.methods:
-        if m in HF_METHODS:
+        if m in LLAMA_CPP_METHODS:
+            from adaptree.bench.llama_cpp_arm import LlamaCppArm
+            from adaptree.models.assets import model_source, resolve_model
+            from adaptree.models.gguf_file import is_gguf_file
+
+            path, _ = model_source(pipeline.model, hash_it=False)
+            path = path if path is not None else resolve_model(pipeline.model)
+            if not is_gguf_file(path):
+                raise ValueError(f"the {m} arm runs a GGUF file; the model {path} is not one")
+            arms[m] = LlamaCppArm(path, m, pipeline.tokenizer.eos_token_ids, n_ctx=pipeline.engine.max_len)
+        elif m in HF_METHODS:
             from adaptree.bench.hf_arms import HFArm, hf_twin
+
+            if pipeline.weights != "float":
+                raise ValueError(f"the {m} arm copies the float weights into transformers: use --weights float, not "
+                                 f"{pipeline.weights}")
 
             hf = hf or hf_twin(pipeline.target)
             assistant = None
@@ -201,7 +220,7 @@ def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOption
         from adaptree.offline.latency import load_checked
 
         load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
-    if any(m not in HF_METHODS and m != "ar" for m in cfg.methods) and pipeline.head is None:
+    if any(m not in REFERENCE_METHODS and m != "ar" for m in cfg.methods) and pipeline.head is None:
         raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
     settings = _run_settings(cfg, pipeline)
     _check_settings(out, settings)
@@ -227,7 +246,7 @@ def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
     from adaptree.bench import oracle_section as osec
 
     options = method_options or {}
-    engine_methods = [m for m in cfg.methods if m not in HF_METHODS]
+    engine_methods = [m for m in cfg.methods if m not in REFERENCE_METHODS]
     static = options.get("static", {})
     settings = osec.trace_settings(cfg, pipeline.tokenizer.eos_token_ids, pipeline.max_seq_len,
                                    widths=(static.get("width") or 10,), max_depth=max(12, static.get("depth") or 0))

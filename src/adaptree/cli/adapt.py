@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from adaptree.cli import common
 from adaptree.cli.common import ConfigFlags, add_model_args, add_output_args
 
 

@@ -37,6 +37,17 @@ def register(sub) -> None:
     r.add_argument("folder", help="a bench --out folder (with results.jsonl and bench_config.json)")
     r.set_defaults(func=cmd_report)
 
+    f = sub.add_parser("profile", help="where one target forward spends its time (matmul, attention, norm, ...) for "
+                                       "a decode step and small trees, in this execution mode")
+    add_model_args(f)
+    f.set_defaults(draft="none")
+    f.add_argument("--context", type=common.positive_int, default=256, help="cached tokens before the new ones (256)")
+    f.add_argument("--tokens", type=common.comma_type(common.positive_int), default=(1, 4, 16, 64),
+                   help="new tokens per forward, comma-separated (1 = a decode step; default 1,4,16,64)")
+    f.add_argument("--repeats", type=common.positive_int, default=20, help="timed forwards per size (20)")
+    f.add_argument("--out", default="results/profile", help="folder for profile.json and profile.md")
+    f.set_defaults(func=cmd_profile)
+
     c = sub.add_parser("compare-hf", help="autoregressive tokens/s: this engine vs transformers generate()")
     add_model_args(c, adapt=False)
     _compare_flags().add(c)
@@ -47,6 +58,15 @@ def register(sub) -> None:
     add_model_args(t, adapt=False)
     _tune_flags().add(t)
     t.set_defaults(func=cmd_tune_static)
+
+
+def cmd_profile(args) -> int:
+    from adaptree.bench.profile import run_profile
+
+    pipe = common.load_pipeline(args)
+    run_profile(pipe, args.out, context=args.context, tokens=args.tokens, repeats=args.repeats,
+                command=command_line())
+    return 0
 
 
 def cmd_bench(args) -> int:
