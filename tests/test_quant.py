@@ -144,7 +144,8 @@ def test_execution_candidates(tiny_gguf_file, tmp_path):
 
     assert execution_candidates(tiny_gguf_file) == ("bfloat16", "bfloat16+int4", "float32")
     assert execution_candidates(tiny_gguf_file, dtype="float32") == ("float32",)
-    assert execution_candidates(tiny_gguf_file, weights="int4") == ("bfloat16+int4", "float32+int4")
+    assert execution_candidates(tiny_gguf_file, weights="int4") == ("bfloat16+int4",)
+    assert execution_candidates(tiny_gguf_file, dtype="float32", weights="int4") == ("float32+int4",)
     assert execution_candidates(tiny_gguf_file, device="cuda") == ("bfloat16", "float16")
     folder = tmp_path / "hf"
     folder.mkdir()

@@ -390,9 +390,11 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
     out = []
     for dt in dtypes:
         for w in (("float", "int4") if weights == "auto" else (weights,)):
+            if w == "int4" and dt == "float32" and dtype == "auto":
+                continue  # the int4 kernel's float32 path is a slow reference: only on request
             if w == "int4" and weights == "auto":
                 path, _ = model_source(model, hash_it=False)
-                if torch.device(device).type != "cpu" or dt == "float32" or not (path is None or is_gguf_file(path)):
+                if torch.device(device).type != "cpu" or not (path is None or is_gguf_file(path)):
                     continue
             out.append(execution_name(dt, w))
     return tuple(out)
