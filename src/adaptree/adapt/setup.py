@@ -390,7 +390,7 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
     out = []
     for dt in dtypes:
         for w in (("float", "int4") if weights == "auto" else (weights,)):
-            if w == "int4" and dt == "float32" and dtype == "auto":
+            if w == "int4" and dt == "float32" and "auto" in (dtype, weights):
                 continue  # the int4 kernel's float32 path is a slow reference: only on request
             if w == "int4" and weights == "auto":
                 path, _ = model_source(model, hash_it=False)
