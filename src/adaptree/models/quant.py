@@ -22,7 +22,7 @@ layers (dequantised as for ``weights="float"``).
 
 What runs, exactly: the scales and zeros are stored in the activation dtype. In float32 the executed
 weight ``(q - 8) * scale + zero`` equals the file's dequantised weight up to float32 rounding of that
-expression (tested: within 2 ulp); in bfloat16 the scale and zero are rounded to bfloat16 (the dense
+expression (tested: within 4e-7 of the largest weight); in bfloat16 the scale and zero are rounded to bfloat16 (the dense
 bfloat16 model rounds every weight instead), so int4-bfloat16 and float-bfloat16 are two different
 approximations of the file's float32 weights, each measured against it (:func:`weight_error`). The PyTorch
 kernel is fast for bfloat16 activations and slow for float32 (a reference loop: ~10x slower than the dense
