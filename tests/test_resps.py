@@ -182,13 +182,20 @@ def test_decisions_cost_policy_time_only_when_taken(models):
 def test_resps_is_lossless_and_replays_like_the_live_engine(models, traces, interval, temperature, seed):
     target, head = models
     pol = nearest_center_policy()
-    eng = Engine(target, head)
+    plans = _lossless_replayed_plans(Engine(target, head), traces,
+                                     lambda: ctl(pol, interval=interval, temperature=temperature, seed=seed))
+    assert len(plans) >= 4  # the policy really switches plans
+
+
+def _lossless_replayed_plans(eng, traces, make_ctl) -> set:
+    """For every prompt: the live run with a controller from ``make_ctl`` equals AR (lossless, exact) and the replay
+    of its traces takes the live run's decisions (up to near-ties, :func:`replay_against_live`); returns the
+    (W, depth, V) plans the live runs used."""
     plans = set()
     checks = []
     for prompt, tr in zip(PROMPTS, traces):
         ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
-        live_ctl = ctl(pol, interval=interval, temperature=temperature, seed=seed)
-        sim_ctl = ctl(pol, interval=interval, temperature=temperature, seed=seed)
+        live_ctl, sim_ctl = make_ctl(), make_ctl()
         check = replay_against_live(eng, live_ctl, sim_ctl, prompt, tr, N_NEW)  # the replay: up to near-ties
         assert check.live.token_ids == ar.token_ids  # lossless (fp32 greedy), whatever the plans: exact
         upto = check.compared  # the decisions up to the cycle where the replay left the live run, if it did
@@ -198,7 +205,7 @@ def test_resps_is_lossless_and_replays_like_the_live_engine(models, traces, inte
         checks.append(check)
         plans |= {(c.width, c.depth, c.size) for c in check.live.cycles}
     assert_mostly_exact(checks)
-    assert len(plans) >= 4  # the policy really switches plans
+    return plans
 
 
 def test_replay_margins_are_not_ties(models, traces):
@@ -628,22 +635,9 @@ def test_embedding_policy_is_lossless_and_replays_like_the_live_engine(models, t
     with torch.no_grad():
         proj = torch.stack(seen) @ (pol.body[0].weight[0] / 40.0)
         pol.body[0].bias.fill_(-40.0 * float(proj.median()))
-    eng = Engine(target, head)
-    plans = set()
-    checks = []
-    for prompt, tr in zip(PROMPTS, traces):
-        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
-        live_ctl = ReSpSController(ReSpSConfig(interval=2), policy=pol, tokenizer=ToyTokenizer())
-        sim_ctl = ReSpSController(ReSpSConfig(interval=2), policy=pol, tokenizer=ToyTokenizer())
-        check = replay_against_live(eng, live_ctl, sim_ctl, prompt, tr, N_NEW)  # the replay: up to near-ties
-        assert check.live.token_ids == ar.token_ids  # lossless: exact
-        upto = check.compared
-        assert [d for d in sim_ctl.decisions if d[0] < upto] == [d for d in live_ctl.decisions if d[0] < upto]
-        if check.left_at is None:
-            assert sim_ctl.decisions == live_ctl.decisions
-        checks.append(check)
-        plans |= {(c.width, c.depth, c.size) for c in check.live.cycles}
-    assert_mostly_exact(checks)
+    plans = _lossless_replayed_plans(
+        Engine(target, head), traces,
+        lambda: ReSpSController(ReSpSConfig(interval=2), policy=pol, tokenizer=ToyTokenizer()))
     assert len(plans) >= 2  # the text state really changes the plan
     with pytest.raises(ValueError, match="needs the target's tokenizer"):
         ReSpSController(policy=pol)

@@ -197,7 +197,7 @@ class Pipeline:
 
         head = self.head_folder
         return {"model": self.model_label, "dtype": self.dtype_name, "weights": self.weights,
-                "attention": str(self.target.attn_dtype).removeprefix("torch."), "model_sha256": model_sha256(self.model),
+                "attention": self.attention_name, "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
 
@@ -231,7 +231,16 @@ class Pipeline:
     @property
     def dtype_name(self) -> str:
         """The dtype as :func:`load` takes it (``"bfloat16"``, ...)."""
-        return next(name for name, d in DTYPES.items() if d == self.dtype)
+        from adaptree.models.cache import dtype_name
+
+        return dtype_name(self.dtype)
+
+    @property
+    def attention_name(self) -> str:
+        """The dtype of attention, rotary and the KV cache (``"float32"`` under bfloat16 projections on a CPU)."""
+        from adaptree.models.cache import dtype_name
+
+        return dtype_name(self.target.attn_dtype)
 
     @property
     def execution(self) -> str:
@@ -343,7 +352,9 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     if weights != "auto" and weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r} is not supported; use auto or one of {', '.join(WEIGHTS)}")
     if dtype != "auto":
-        dtype = next(n for n, d in DTYPES.items() if d == dtype_of(dtype))
+        from adaptree.models.cache import dtype_name
+
+        dtype = dtype_name(dtype_of(dtype))
     measure = adapt_enabled(adapt)
     mode = execution_name(dtype, weights)
     if "auto" in (dtype, weights):

@@ -81,7 +81,7 @@ def fingerprint(pipeline) -> dict:
     from adaptree.offline.store import head_fingerprint, model_fingerprint
 
     return {**machine_fields(), "device": str(pipeline.target.device), "dtype": pipeline.dtype_name,
-            "weights": pipeline.weights, "attention": str(pipeline.target.attn_dtype).removeprefix("torch."),
+            "weights": pipeline.weights, "attention": pipeline.attention_name,
             "model": model_fingerprint(pipeline.target),
             "head": head_fingerprint(pipeline.head) if pipeline.head is not None else None}
 
@@ -383,19 +383,19 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
     4-bit blocks run by PyTorch's int4 kernel) is a candidate on a CPU for a GGUF model, with bfloat16 or float16
     activations (its float32 kernel is a slow reference)."""
     from adaptree.api import execution_name
-    from adaptree.models.assets import model_source
-    from adaptree.models.gguf_file import is_gguf_file
+    from adaptree.models.assets import is_gguf_model
 
     dtypes = dtype_candidates(device) if dtype == "auto" else (dtype,)
+    if weights == "auto":
+        packable = torch.device(device).type == "cpu" and is_gguf_model(model)
+        kinds = ("float", "int4") if packable else ("float",)
+    else:
+        kinds = (weights,)
     out = []
     for dt in dtypes:
-        for w in (("float", "int4") if weights == "auto" else (weights,)):
+        for w in kinds:
             if w == "int4" and dt == "float32" and "auto" in (dtype, weights):
                 continue  # the int4 kernel's float32 path is a slow reference: only on request
-            if w == "int4" and weights == "auto":
-                path, _ = model_source(model, hash_it=False)
-                if torch.device(device).type != "cpu" or not (path is None or is_gguf_file(path)):
-                    continue
             out.append(execution_name(dt, w))
     return tuple(out)
 
@@ -510,10 +510,10 @@ def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
 
 def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256, repeats: int = 30) -> float:
     """Median seconds of one attention call of ``target``'s shape (its heads and head size) in ``dtype``: ``queries``
-    new positions over ``context`` cached keys."""
-    import statistics
-
+    new positions over ``context`` cached keys (timed like the calibration's shapes)."""
     import torch.nn.functional as F
+
+    from adaptree.offline.latency import _time
 
     cfg = target.config
     dev = target.device
@@ -523,15 +523,7 @@ def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256
     mask = torch.ones(queries, context + queries, dtype=torch.bool, device=dev) if queries > 1 else None
     gqa = cfg.num_key_value_heads != cfg.num_attention_heads
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(repeats + 3):
-        sync()
-        t0 = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=gqa)
-        sync()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _time(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=gqa), repeats, sync)
 
 
 def attention_dtype(target, measure: bool = True) -> torch.dtype:
@@ -555,8 +547,9 @@ def attention_dtype(target, measure: bool = True) -> torch.dtype:
         return torch.float32 if target.device.type == "cpu" else target.dtype
     from adaptree.offline.runs import write_json
 
-    times = {str(dt).removeprefix("torch."): sum(_time_attention(target, dt, n) for n in (1, 16))
-             for dt in (target.dtype, torch.float32)}
+    from adaptree.models.cache import dtype_name
+
+    times = {dtype_name(dt): sum(_time_attention(target, dt, n) for n in (1, 16)) for dt in (target.dtype, torch.float32)}
     best = min(times, key=times.get)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json({"attention": best, "seconds": times, "machine": machine_fields()}, path)

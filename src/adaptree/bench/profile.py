@@ -12,8 +12,7 @@ larger ``T`` a verification tree) is timed without a profiler (the median of ``r
 - ``mlp act``: SiLU and the gate product;
 - ``lm_head``: the final norm and the output projection;
 - ``other``: embedding, rotary tables, the mask, residual adds;
-- ``dispatch``: the wall time not inside any operator (Python and the dispatcher), scaled by the profiler's
-  own slowdown (see below).
+- ``dispatch``: the profiled forward's wall time not inside any operator (Python and the dispatcher).
 
 The profiler slows every operator call a little; the split is reported as measured under it, and
 ``profiled_ms`` next to ``wall_ms`` says by how much. The parts are what to optimise, the wall time is the
@@ -22,7 +21,6 @@ number to quote.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -90,16 +88,11 @@ def _part(event) -> str:
 
 
 def _inputs(model, context: int, tokens: int, gen: torch.Generator):
-    from adaptree.core.tree import ancestor_mask
+    from adaptree.offline.latency import random_tree
 
     dev = model.device
-    n = tokens
-    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-    depth = torch.zeros(n, dtype=torch.long)
-    for i in range(1, n):
-        depth[i] = depth[parents[i]] + 1
-    mask = ancestor_mask(parents, depth).to(dev) if n > 1 else None
-    ids = torch.randint(0, model.config.vocab_size, (1, n), generator=gen).to(dev)
+    depth, mask = random_tree(tokens, gen, dev)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(dev)
     return ids, (context + depth).to(dev), mask
 
 
@@ -113,6 +106,8 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
     if context + max(tokens) + 1 > model.max_seq_len:
         raise ValueError(f"context {context} + {max(tokens)} tokens exceeds the model's context limit "
                          f"{model.max_seq_len}")
+    from adaptree.offline.latency import _time
+
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(context + max(tokens) + 1)
     sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
@@ -124,15 +119,7 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
             cache.length = context
             model(ids, position_ids=pos, cache=cache, tree_mask=mask)
 
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - t0)
+        wall = _time(step, repeats, sync)
         handles = _label_modules(model)
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -149,7 +136,7 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
                 split[_part(e)] += e.self_cpu_time_total / 1e3 / 5
         in_ops = sum(split.values())
         split["dispatch"] = max(0.0, profiled * 1e3 - in_ops)
-        rows.append({"tokens": t, "context": context, "wall_ms": statistics.median(times) * 1e3,
+        rows.append({"tokens": t, "context": context, "wall_ms": wall * 1e3,
                      "profiled_ms": profiled * 1e3, "split_ms": split})
     return rows
 

@@ -38,8 +38,8 @@ MethodOptions = Mapping[str, Mapping[str, Any]]
 RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
 # Settings that change what a record measures: a results folder holds records of one setting only.
-_RUN_KEYS = ("model", "dtype", "weights", "attention", "draft_sha256", "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k",
-             "seed", "threads")
+_RUN_KEYS = ("model", "dtype", "weights", "attention", "draft_sha256", "model_sha256", "max_new_tokens", "temperature",
+             "top_p", "top_k", "seed", "threads")
 
 
 REFERENCE_METHODS = (*HF_METHODS, *LLAMA_CPP_METHODS)
@@ -171,14 +171,10 @@ def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptio
     for m in cfg.methods:
         if m in LLAMA_CPP_METHODS:
             from adaptree.bench.llama_cpp_arm import LlamaCppArm
-            from adaptree.models.assets import model_source, resolve_model
-            from adaptree.models.gguf_file import is_gguf_file
+            from adaptree.models.assets import gguf_file
 
-            path, _ = model_source(pipeline.model, hash_it=False)
-            path = path if path is not None else resolve_model(pipeline.model)
-            if not is_gguf_file(path):
-                raise ValueError(f"the {m} arm runs a GGUF file; the model {path} is not one")
-            arms[m] = LlamaCppArm(path, m, pipeline.tokenizer.eos_token_ids, n_ctx=pipeline.engine.max_len)
+            arms[m] = LlamaCppArm(gguf_file(pipeline.model, f"the {m} arm"), m, pipeline.tokenizer.eos_token_ids,
+                                  n_ctx=pipeline.engine.max_len)
         elif m in HF_METHODS:
             from adaptree.bench.hf_arms import HFArm, hf_twin
 

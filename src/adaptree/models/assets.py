@@ -52,6 +52,8 @@ __all__ = [
     "RegisteredModel",
     "assemble_parts",
     "default_model_path",
+    "gguf_file",
+    "is_gguf_model",
     "model_names",
     "model_sha256",
     "model_source",
@@ -336,6 +338,21 @@ def model_source(name_or_path: str | Path | None, hash_it: bool = True) -> tuple
     if not is_gguf_file(path):
         return path, None
     return path, file_sha256(path) if hash_it else None
+
+
+def is_gguf_model(name_or_path: str | Path | None) -> bool:
+    """Whether a model is a GGUF file: every registered name is (without locating its file), a path when it is one."""
+    path, _ = model_source(name_or_path, hash_it=False)
+    return path is None or is_gguf_file(path)
+
+
+def gguf_file(name_or_path: str | Path | None, what: str = "this") -> Path:
+    """The GGUF file of a model (a registered name's verified file, or the path); a ``ValueError`` saying that
+    ``what`` needs one when the model is a Hugging Face folder."""
+    path, _ = model_source(name_or_path, hash_it=False)
+    if path is not None and not is_gguf_file(path):
+        raise ValueError(f"{what} runs a GGUF file's blocks; {path} is not a GGUF file")
+    return path if path is not None else resolve_model(name_or_path)
 
 
 def model_sha256(name_or_path: str | Path | None = None) -> str:

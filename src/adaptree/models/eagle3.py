@@ -331,7 +331,7 @@ class Eagle3Head(nn.Module):
     @property
     def attn_dtype(self) -> torch.dtype:
         """The dtype of rotary, the KV cache and attention (``llama.set_attention_dtype``; default: :attr:`dtype`)."""
-        return getattr(self, "_attn_dtype", None) or self.dtype
+        return self.midlayer.self_attn.attn_dtype or self.dtype
 
     @property
     def embedding_weight(self) -> torch.Tensor | None:

@@ -335,6 +335,17 @@ def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def hf_rows(w: torch.Tensor, cfg: ModelConfig, name: str) -> torch.Tensor:
+    """A GGUF tensor's rows in Hugging Face order: llama-architecture q/k projections un-permuted
+    (:func:`_unpermute_rope_rows`), anything else as it is. ``name`` is the Hugging Face key."""
+    if cfg.arch == "llama":
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            return _unpermute_rope_rows(w, cfg.num_attention_heads)
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            return _unpermute_rope_rows(w, cfg.num_key_value_heads)
+    return w
+
+
 def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                     path: str | Path = "<gguf>") -> dict[str, torch.Tensor]:
     """The file's tensors under Hugging Face names, dequantized and cast to ``dtype``.
@@ -355,11 +366,8 @@ def gguf_state_dict(reader, cfg: ModelConfig, dtype: torch.dtype = torch.float32
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name} "
                              f"({getattr(t.tensor_type, 'name', t.tensor_type)}): {e}") from e
-        if cfg.arch == "llama" and name is not None:
-            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                w = _unpermute_rope_rows(w, cfg.num_attention_heads)
-            elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-                w = _unpermute_rope_rows(w, cfg.num_key_value_heads)
+        if name is not None:
+            w = hf_rows(w, cfg, name)
         sd[key] = w.to(dtype)
     return sd
 

@@ -236,7 +236,6 @@ def set_attention_dtype(module: nn.Module, dtype: torch.dtype | None) -> None:
     for m in module.modules():
         if isinstance(m, Attention):
             m.attn_dtype = dtype
-    module._attn_dtype = dtype
 
 
 class MLP(nn.Module):
@@ -310,7 +309,7 @@ class Transformer(nn.Module):
     @property
     def attn_dtype(self) -> torch.dtype:
         """The dtype of rotary, the KV cache and attention (:func:`set_attention_dtype`; default: :attr:`dtype`)."""
-        return getattr(self, "_attn_dtype", None) or self.dtype
+        return self.model.layers[0].self_attn.attn_dtype or self.dtype
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         cfg = self.config

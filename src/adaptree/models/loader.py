@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from adaptree.models.assets import model_source, resolve_model
+from adaptree.models.assets import gguf_file, model_source, resolve_model
 from adaptree.models.cache import (
     discard_float_folder,
     dtype_name,
@@ -77,11 +77,9 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
         from adaptree.models.gguf_file import read_gguf
         from adaptree.models.quant import pack_model
 
-        path, _ = model_source(name_or_path, hash_it=False)
-        if path is not None and not is_gguf_file(path):
-            raise ValueError(f"weights='int4' runs a GGUF file's 4-bit blocks; {path} is not a GGUF file")
+        path = gguf_file(name_or_path, "weights='int4'")
         model, bundle = load_model(name_or_path, dtype, max_seq_len, cache)
-        pack_model(model, read_gguf(path if path is not None else resolve_model(name_or_path)), dtype)
+        pack_model(model, read_gguf(path), dtype)
         return model, bundle
     dtype_name(dtype)
     path, _ = model_source(name_or_path, hash_it=False)

@@ -132,8 +132,11 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+                 bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 sources: tuple[str, ...] = ()) -> None:
         super().__init__()
+        self.sources = sources
+        """The Hugging Face weight names whose rows this layer stacks (q/k/v of a fused projection, ...)."""
         out, k = q.shape
         if k % in_features or k // in_features not in (1, 2) or k % GROUP:
             raise ValueError(f"packed weight of shape {tuple(q.shape)} does not fit {in_features} inputs")
@@ -152,14 +155,17 @@ class PackedLinear(nn.Module):
     def weight_dtype(self) -> torch.dtype:
         return self.scales_zeros.dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()  # the kernel takes contiguous rows only
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in] @ W^T`` without the bias."""
+        x = x.contiguous()  # the kernel takes contiguous rows only
         if self.planes == 2:
             x = torch.cat([x, x], dim=-1)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-        if y.shape[-1] != self.out_features:
-            y = y[:, : self.out_features]
+        return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -167,11 +173,7 @@ class PackedLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The weight this layer executes, ``[out, in]`` in its dtype (each input unit run through it)."""
         eye = torch.eye(self.in_features, dtype=self.weight_dtype, device=self.packed.device)
-        bias, self.bias = self.bias, None
-        try:
-            return self.forward(eye).t().contiguous()
-        finally:
-            self.bias = bias
+        return self._matmul(eye).t().contiguous()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, planes={self.planes}, "
@@ -196,17 +198,14 @@ def _gguf_tensors(reader) -> dict:
 
 def _tensor_groups(t, cfg, name: str):
     """``(q, scale, zero)`` torch tensors of one GGUF tensor, rows in Hugging Face order; None if not packable."""
-    from adaptree.models.gguf_file import _unpermute_rope_rows
+    from adaptree.models.gguf_file import hf_rows
 
     kind = t.tensor_type.name
     if kind not in PACKABLE:
         return None
     shape = tuple(int(x) for x in reversed([int(d) for d in t.shape]))
-    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(np.asarray(t.data).view(np.ndarray), kind, shape))
-    if cfg.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-        heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-        q, scale, zero = (_unpermute_rope_rows(a, heads) for a in (q, scale, zero))
-    return q, scale, zero
+    groups = int4_groups(np.asarray(t.data).view(np.ndarray), kind, shape)
+    return tuple(hf_rows(torch.from_numpy(a), cfg, name) for a in groups)
 
 
 def pack_model(model, reader, dtype: torch.dtype | None = None) -> dict[str, str]:
@@ -242,7 +241,7 @@ def pack_model(model, reader, dtype: torch.dtype | None = None) -> dict[str, str
             continue
         q, scale, zero = (torch.cat([g[j] for g in groups]) for j in range(3))
         bias = layer.bias.detach() if getattr(layer, "bias", None) is not None else None
-        packed = PackedLinear(q, scale, zero, layer.in_features, bias, dtype)
+        packed = PackedLinear(q, scale, zero, layer.in_features, bias, dtype, tuple(p + ".weight" for p in parts))
         if packed.out_features != layer.out_features:
             raise ValueError(f"{layer_name}: the GGUF tensors give {packed.out_features} outputs, the model has "
                              f"{layer.out_features}")
@@ -255,26 +254,14 @@ def pack_model(model, reader, dtype: torch.dtype | None = None) -> dict[str, str
 def weight_error(model, reader) -> dict[str, float]:
     """The largest absolute difference between each packed layer's executed weight and the GGUF file's weight
     dequantised in float32 by the ``gguf`` package (``max_abs``), and the largest such weight (``max_weight``)."""
-    from adaptree.models.gguf_file import _unpermute_rope_rows, dequantize_gguf_tensor
+    from adaptree.models.gguf_file import dequantize_gguf_tensor, hf_rows
 
-    cfg = model.config
     tensors = _gguf_tensors(reader)
     worst, biggest = 0.0, 0.0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if not isinstance(module, PackedLinear):
             continue
-        suffix = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
-        parts = _FUSED.get(suffix, (suffix,))
-        prefix = name[: len(name) - len(suffix)]
-        if name == "lm_head":
-            parts = ("lm_head",) if "lm_head.weight" in tensors else ("model.embed_tokens",)
-        ref = []
-        for p in parts:
-            w = dequantize_gguf_tensor(tensors[prefix + p + ".weight"])
-            if cfg.arch == "llama" and p.endswith(("q_proj", "k_proj")):
-                w = _unpermute_rope_rows(w, cfg.num_attention_heads if "q_proj" in p else cfg.num_key_value_heads)
-            ref.append(w)
-        ref_w = torch.cat(ref)
-        worst = max(worst, float((module.dense_weight().float() - ref_w).abs().max()))
-        biggest = max(biggest, float(ref_w.abs().max()))
+        ref = torch.cat([hf_rows(dequantize_gguf_tensor(tensors[n]), model.config, n) for n in module.sources])
+        worst = max(worst, float((module.dense_weight().float() - ref).abs().max()))
+        biggest = max(biggest, float(ref.abs().max()))
     return {"max_abs": worst, "max_weight": biggest}

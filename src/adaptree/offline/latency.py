@@ -264,6 +264,18 @@ def require_latency(path: str | os.PathLike | None) -> LatencyModel:
     return load_checked(path)
 
 
+def random_tree(n: int, gen: torch.Generator, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random tree of ``n`` nodes (node ``i``'s parent drawn uniformly among ``0..i-1``): its depths ``[n]`` and
+    its ancestor mask ``[n, n]`` on ``device`` (None for one node: a plain decode step)."""
+    from adaptree.core.tree import ancestor_mask
+
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    depth = torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    return depth, (ancestor_mask(parents, depth).to(device) if n > 1 else None)
+
+
 def _time(fn, repeats: int, sync) -> float:
     fn()  # warm-up
     sync()
@@ -291,8 +303,6 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
     ``meta`` records the machine (:func:`machine_meta`), dtype and the samples.
     """
     from tqdm import tqdm
-
-    from adaptree.core.tree import ancestor_mask
 
     for name, values, low in (("widths", widths, 1), ("sizes", sizes, 0), ("lengths", lengths, 1)):
         if not values or any(int(x) < low for x in values):
@@ -331,17 +341,13 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
         cache = target.new_cache(L + max(sizes) + 1)
         for v in sizes:
             n = v + 1
-            parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
-            depth = torch.zeros(n, dtype=torch.long)
-            for i in range(1, n):
-                depth[i] = depth[parents[i]] + 1
-            tmask = ancestor_mask(parents, depth).to(dev)
+            depth, tmask = random_tree(n, gen, dev)
             toks = torch.randint(0, vocab, (1, n), generator=gen).to(dev)
             positions = (L + depth).to(dev)
 
             def verify_fwd():
                 cache.length = L
-                target(toks, position_ids=positions, cache=cache, tree_mask=tmask if v else None, features=True)
+                target(toks, position_ids=positions, cache=cache, tree_mask=tmask, features=True)
 
             verify_samples.append((v, L, _time(verify_fwd, repeats, sync)))
             bar.update(1)
