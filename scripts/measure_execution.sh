@@ -21,6 +21,9 @@ adaptree bench --dtype bfloat16 --weights float --methods ar,llama_cpp,llama_cpp
 # machine setup for the int4 mode (timed), then the best methods
 /usr/bin/time -v adaptree adapt --dtype bfloat16 --weights int4 --threads 2 > runs/execution/adapt_int4.log 2>&1
 adaptree bench --dtype bfloat16 --weights int4 --methods ar,static,static-gs,costaware,llama_cpp,llama_cpp_lookup --limit 3 --turns 1 --max-new-tokens 128 --threads 2 --out runs/execution/after_int4 > runs/execution/after_int4.log 2>&1
+# torch.compile of decode steps: measured choice (adapt), then compiled and eager side by side with llama.cpp
+adaptree adapt --dtype bfloat16 --weights int4 --threads 2 --quiet > runs/execution/adapt_compile.log 2>&1
+for c in auto off; do adaptree bench --dtype bfloat16 --weights int4 --compile $c --methods ar,static-gs,costaware,llama_cpp --limit 3 --turns 1 --max-new-tokens 128 --threads 2 --out runs/execution/compile_$c > runs/execution/compile_$c.log 2>&1; done
 # AVX2 kernels: before bf16 AR, after float and int4 AR
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 PYTHONPATH=/tmp/base/src python3 -m adaptree.cli bench --dtype bfloat16 --methods ar $COMMON --out runs/execution/avx2_before_bf16 > runs/execution/avx2_before_bf16.log 2>&1

@@ -197,7 +197,8 @@ class Pipeline:
 
         head = self.head_folder
         return {"model": self.model_label, "dtype": self.dtype_name, "weights": self.weights,
-                "attention": self.attention_name, "model_sha256": model_sha256(self.model),
+                "attention": self.attention_name, "compile_tokens": self.target.compile_tokens,
+                "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
 
@@ -316,7 +317,7 @@ class Pipeline:
 
 
 def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "auto",
-         weights: str = "auto", device: str | torch.device = "cpu", threads: int | None = None,
+         weights: str = "auto", compile: str = "auto", device: str | torch.device = "cpu", threads: int | None = None,
          max_seq_len: int | None = None, adapt: bool | None = None, progress: bool = True) -> Pipeline:
     """Load a target model, its tokenizer and an EAGLE-3 draft head, adapted to this machine.
 
@@ -333,6 +334,10 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
     :param weights: ``"auto"`` (chosen with the dtype), ``"float"`` (dequantised to ``dtype``) or ``"int4"`` (a GGUF
         model's own 4-bit blocks, :mod:`adaptree.models.quant`; CPU only).
+    :param compile: ``"auto"`` (decode steps and small trees run through ``torch.compile`` up to the tree size where
+        it measured faster on this machine, cached; eager without a measurement), ``"on"`` or ``"off"``
+        (:func:`adaptree.adapt.setup.compile_tokens`). Compiling costs seconds once per process, on the first
+        generation.
     :param device: ``"cpu"`` or a CUDA device.
     :param threads: torch's CPU threads; torch's setting is process-wide, so this changes it for the whole
         process (None leaves it alone).
@@ -342,7 +347,7 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         bfloat16 where the hardware has native bfloat16 and float32 elsewhere, and the default method is ``ar``.
     :param progress: progress bars while measuring.
     """
-    from adaptree.adapt.setup import (AdaptError, adapt_enabled, cached_execution, choose_execution,
+    from adaptree.adapt.setup import (COMPILE_MODES, AdaptError, adapt_enabled, cached_execution, choose_execution,
                                       execution_candidates, fallback_execution, find_setup, say)
 
     if threads is not None:  # first: the thread count is part of the machine profile
@@ -351,6 +356,8 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         torch.set_num_threads(int(threads))
     if weights != "auto" and weights not in WEIGHTS:
         raise ValueError(f"weights {weights!r} is not supported; use auto or one of {', '.join(WEIGHTS)}")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile {compile!r} is not one of {', '.join(COMPILE_MODES)}")
     if dtype != "auto":
         from adaptree.models.cache import dtype_name
 
@@ -361,14 +368,15 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_execution(lambda m: _load(model, head, m, device, max_seq_len, measure), candidates,
+                return choose_execution(lambda m: _load(model, head, m, device, max_seq_len, measure, compile),
+                                        candidates,
                                         model, head, device, max_seq_len, progress=progress)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False
         mode = (cached_execution(candidates, model, head, device, max_seq_len)
                 or fallback_execution(candidates, device))
-    p = _load(model, head, mode, device, max_seq_len, measure)
+    p = _load(model, head, mode, device, max_seq_len, measure, compile)
     if p.head is not None and not measure:
         p.machine = find_setup(p)
     elif p.head is not None:
@@ -379,8 +387,8 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     return p
 
 
-def _load(model, head, mode: str, device, max_seq_len, measure: bool = False) -> Pipeline:
-    from adaptree.adapt.setup import attention_dtype
+def _load(model, head, mode: str, device, max_seq_len, measure: bool = False, compile: str = "off") -> Pipeline:
+    from adaptree.adapt.setup import attention_dtype, compile_tokens
     from adaptree.models import load_model, shipped_head
     from adaptree.models.eagle3 import Eagle3Head
     from adaptree.models.llama import set_attention_dtype
@@ -408,5 +416,6 @@ def _load(model, head, mode: str, device, max_seq_len, measure: bool = False) ->
     set_attention_dtype(target, attn)
     if draft is not None:
         set_attention_dtype(draft, attn)
+    target.compile(compile_tokens(target, measure, compile))
     return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
                     dtype=dt, max_seq_len=max_seq_len, weights=weights)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -82,7 +83,7 @@ def fingerprint(pipeline) -> dict:
 
     return {**machine_fields(), "device": str(pipeline.target.device), "dtype": pipeline.dtype_name,
             "weights": pipeline.weights, "attention": pipeline.attention_name,
-            "model": model_fingerprint(pipeline.target),
+            "compile_tokens": pipeline.target.compile_tokens, "model": model_fingerprint(pipeline.target),
             "head": head_fingerprint(pipeline.head) if pipeline.head is not None else None}
 
 
@@ -554,3 +555,99 @@ def attention_dtype(target, measure: bool = True) -> torch.dtype:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json({"attention": best, "seconds": times, "machine": machine_fields()}, path)
     return getattr(torch, best)
+
+
+COMPILE_MODES = ("auto", "on", "off")
+"""``compile`` of :func:`adaptree.load`: ``auto`` (measured, :func:`compile_tokens`), ``on`` (every decode step and
+tree), ``off`` (eager)."""
+
+COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+"""New-token counts (a decode step, then trees) at which :func:`compile_tokens` times eager and compiled forwards."""
+
+
+@torch.inference_mode()
+def _time_compiled(target, sizes: Sequence[int], context: int = 256, repeats: int = 9):
+    """Compile ``target`` for ``sizes`` and time eager and compiled forwards over a random tree of each size after
+    ``context`` cached tokens, interleaved (eager, compiled, next size, ... ``repeats`` rounds: a shared machine's
+    drift hits both alike). Returns the compile seconds and the median seconds ``{mode: {size: s}}``."""
+    from adaptree.offline.latency import random_tree
+
+    cache = target.new_cache(context + max(sizes) + 1)
+    gen = torch.Generator().manual_seed(0)
+    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    steps = {}
+    for n in sizes:
+        depth, mask = random_tree(n, gen, target.device)
+        ids = torch.zeros(1, n, dtype=torch.long, device=target.device)
+        steps[n] = (ids, (depth + context).to(target.device), mask)
+
+    def run(n: int) -> float:
+        ids, pos, mask = steps[n]
+        cache.length = context
+        t0 = time.perf_counter()
+        target(ids, position_ids=pos, cache=cache, tree_mask=mask, features=True)
+        sync()
+        return time.perf_counter() - t0
+
+    target.compile(max(sizes))
+    t0 = time.perf_counter()
+    for n in sizes[:2]:  # the decode-step graph and the tree graph
+        run(n)
+    compile_s = time.perf_counter() - t0
+    times: dict[str, dict[int, list[float]]] = {"eager": {n: [] for n in sizes}, "compiled": {n: [] for n in sizes}}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in sizes:
+            for mode in times:
+                target.compile_tokens = max(sizes) if mode == "compiled" else 0
+                times[mode][n].append(run(n))
+    return compile_s, {mode: {n: statistics.median(v[1:]) for n, v in per.items()} for mode, per in times.items()}
+
+
+def compile_tokens(target, measure: bool = True, mode: str = "auto", message: Callable[[str], None] = say) -> int:
+    """Up to how many new tokens ``target``'s forwards run compiled on this machine (``Transformer.compile``).
+
+    ``on``: every decode step and tree (up to the largest size timed, then eager); ``off``: 0. ``auto``: eager and
+    compiled forwards are timed at :data:`COMPILE_SIZES` (decode step and trees after 256 cached tokens), and
+    compiled runs up to the largest size at which it is at least 3% faster at that size and every smaller one (0
+    when not even a decode step gains); measured once per machine, model shape, dtype, weights and attention
+    dtype, cached in ``$ADAPTREE_CACHE/machines`` with the times and the compile seconds. Without measuring
+    (``measure=False`` and nothing cached): 0, on a GPU always 0 (not measured there)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    if mode == "off" or target.device.type != "cpu":
+        return 0
+    if mode == "on":
+        return max(COMPILE_SIZES)
+    from adaptree.models.cache import dtype_name
+    from adaptree.offline.store import model_fingerprint
+
+    key = digest({**machine_fields(), "device": str(target.device), "model": model_fingerprint(target),
+                  "attention": dtype_name(target.attn_dtype), "torch": torch.__version__})
+    path = machines_dir() / f"compile-{key}.json"
+    try:
+        return int(json.loads(path.read_text())["compile_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if not measure:
+        return 0
+    from adaptree.offline.runs import write_json
+
+    message("measuring whether torch.compile pays for decode steps and small trees here (once per machine)")
+    sizes = [n for n in COMPILE_SIZES if n + 3 <= target.max_seq_len]  # a short context limit: smaller trees
+    compile_s, t = _time_compiled(target, sizes, context=min(256, target.max_seq_len - max(sizes) - 1))
+    eager, compiled = t["eager"], t["compiled"]
+    best = 0
+    for n in sizes:
+        if compiled[n] > 0.97 * eager[n]:
+            break
+        best = n
+    target.compile(best)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json({"compile_tokens": best, "compile_s": compile_s,
+                "eager_ms": {str(n): 1e3 * s for n, s in eager.items()},
+                "compiled_ms": {str(n): 1e3 * s for n, s in compiled.items()}, "machine": machine_fields()}, path)
+    message(f"torch.compile for forwards of up to {best} new tokens (compiled in {compile_s:.0f} s; decode step "
+            f"{1e3 * eager[1]:.1f} -> {1e3 * compiled[1]:.1f} ms)" if best else
+            f"torch.compile does not pay here (decode step {1e3 * eager[1]:.1f} ms eager, {1e3 * compiled[1]:.1f} "
+            "compiled): eager")
+    return best

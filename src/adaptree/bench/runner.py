@@ -38,7 +38,7 @@ MethodOptions = Mapping[str, Mapping[str, Any]]
 RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
 # Settings that change what a record measures: a results folder holds records of one setting only.
-_RUN_KEYS = ("model", "dtype", "weights", "attention", "draft_sha256", "model_sha256", "max_new_tokens", "temperature",
+_RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "draft_sha256", "model_sha256", "max_new_tokens", "temperature",
              "top_p", "top_k", "seed", "threads")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from adaptree.cli.common import ConfigFlags, add_model_args, add_output_args
 
 
@@ -26,15 +28,15 @@ def register(sub) -> None:
 
 def cmd_adapt(args) -> int:
     from adaptree.adapt.setup import choose_execution, execution_candidates
-    from adaptree.api import load, parse_execution
+    from adaptree.api import _load
 
     cfg = _adapt_flags().build(args)
     progress = not args.quiet
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    def load_mode(mode):
-        dtype, weights = parse_execution(mode)
-        return load(args.model, head=args.draft, dtype=dtype, weights=weights, threads=args.threads,
-                    max_seq_len=args.max_seq_len, adapt=False)
+    def load_mode(mode):  # the pipeline in ``mode``, its attention dtype and compiling measured (choose_execution adapts)
+        return _load(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile=args.compile)
 
     candidates = execution_candidates(args.model, "cpu", args.dtype, args.weights)
     p = choose_execution(load_mode, candidates, args.model, args.draft, "cpu", args.max_seq_len, cfg,

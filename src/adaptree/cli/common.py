@@ -359,7 +359,8 @@ def build_controller(args: argparse.Namespace, head=None, tokenizer=None):
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "", adapt: bool = True) -> None:
-    """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--threads``,
+    """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--weights``, ``--compile``,
+    ``--threads``,
     ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
     measure or train on purpose take ``adapt=False`` and an explicit dtype."""
     from adaptree.api import DTYPES
@@ -381,6 +382,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
                    help="float = dequantised to --dtype; int4 = the GGUF file's own 4-bit blocks run by PyTorch's "
                         "int4 CPU kernel (docs/performance.md); auto = chosen with the dtype by measurement "
                         f"(default {'auto' if dtype == 'auto' else 'float'})")
+    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="run decode steps and small trees through torch.compile: auto = up to the tree size where it "
+                        "measured faster on this machine (measured once with the machine setup, cached; costs seconds "
+                        "per process on the first generation), on, off (default auto)")
     g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="context limit (default: the model's, <= 8192)")
@@ -397,7 +402,7 @@ def load_pipeline(args: argparse.Namespace):
     from adaptree.api import load
 
     p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, weights=args.weights,
-             threads=args.threads,
+             compile=args.compile, threads=args.threads,
              max_seq_len=args.max_seq_len, adapt=getattr(args, "adapt", False),
              progress=not getattr(args, "quiet", False))
     args.draft_path = str(p.head_folder) if p.head_folder else None

@@ -285,7 +285,8 @@ class Eagle3DecoderLayer(nn.Module):
         # Order verified against SafeAILab/EAGLE cnets.py and SpecForge llama3_eagle.py: embeddings first;
         # the residual is the un-normed h.
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
-        h = h + self.self_attn(x, cos, sin, cache, 0, mask)
+        kv = (cache.k[0], cache.v[0]) if cache is not None else None
+        h = h + self.self_attn(x, cos, sin, kv, cache.length if cache is not None else 0, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

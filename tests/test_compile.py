@@ -1,0 +1,129 @@
+"""torch.compile of decode steps and small trees (issue 17, item 3): the compiled path computes what the eager
+one does, keeps greedy speculative output equal to autoregressive output, does not recompile in steady state,
+and where it runs is measured per machine and cached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import PROMPTS, tiny_head, tiny_target
+
+from adaptree.adapt.setup import COMPILE_SIZES, compile_tokens, machines_dir
+from adaptree.core.engine import Engine
+from adaptree.methods import StaticConfig, StaticController
+from adaptree.offline.latency import random_tree
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """A tiny float32 target compiled for every size up to 16 and an eager copy of it (same weights)."""
+    torch._dynamo.reset()
+    eager = tiny_target()
+    compiled = tiny_target().compile(16)
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+def _count_calls(target) -> list:
+    calls = []
+    inner = target._compiled
+
+    def counted(layer, x, *args):  # llama.call_layer, compiled
+        calls.append(x.shape[1])
+        return inner(layer, x, *args)
+
+    target._compiled = counted
+    return calls
+
+
+def _forward(target, prefix: list[int], ids: list[int], mask):
+    cache = target.new_cache(64)
+    with torch.inference_mode():
+        target(torch.tensor([prefix]), cache=cache)
+        depth = torch.arange(len(ids)) if mask is None or mask.shape[0] == 1 else mask.sum(1) - 1
+        return target(torch.tensor([ids]), position_ids=depth + len(prefix), cache=cache, tree_mask=mask,
+                      features=True)
+
+
+def test_compiled_forward_matches_eager(compiled_pair):
+    """Decode steps and trees of several sizes after several cache lengths: logits and EAGLE-3 features agree
+    within float32 rounding, and the compiled graph is what ran (prefills and larger trees stay eager)."""
+    eager, compiled = compiled_pair
+    calls = _count_calls(compiled)
+    gen = torch.Generator().manual_seed(0)
+    for prefix_len, n in ((5, 1), (9, 1), (5, 4), (12, 11), (7, 16), (6, 20)):
+        prefix = torch.randint(0, 16, (prefix_len,), generator=gen).tolist()
+        ids = torch.randint(0, 16, (n,), generator=gen).tolist()
+        _, mask = random_tree(n, gen)
+        a, b = _forward(eager, prefix, ids, mask), _forward(compiled, prefix, ids, mask)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.features, a.features, atol=1e-5, rtol=1e-5)
+    layers = compiled.config.num_hidden_layers
+    assert calls == [n for n in (1, 1, 4, 11, 16) for _ in range(layers)]  # the 20-node tree and prefills: eager
+
+
+def test_no_recompiles_in_steady_state(compiled_pair):
+    """Once a decode step and a tree have compiled, other cache lengths and tree sizes reuse the graphs."""
+    _, compiled = compiled_pair
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 3):  # warm-up: one graph per kind of step
+        _forward(compiled, [1, 2, 3], list(range(n)), random_tree(n, gen)[1])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prefix_len, n in ((4, 1), (17, 1), (30, 1), (4, 2), (8, 7), (21, 16)):
+            _forward(compiled, [3] * prefix_len, [1] * n, random_tree(n, gen)[1])
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def test_compiled_speculative_equals_autoregressive(compiled_pair):
+    """Greedy output of static trees on the compiled target equals eager autoregressive output; where it does
+    not, the eager logits at the first difference must be a near-tie (kernels round differently)."""
+    eager, compiled = compiled_pair
+    head = tiny_head(eager, draft_vocab=12)
+    ar_engine, spec_engine = Engine(eager, head), Engine(compiled, head)
+    for prompt in PROMPTS:
+        ar = ar_engine.generate(prompt, None, max_new_tokens=20).token_ids
+        for cfg in (StaticConfig(width=3, depth=4, size=8), StaticConfig(width=2, depth=3, size=4)):
+            out = spec_engine.generate(prompt, StaticController(cfg), max_new_tokens=20).token_ids
+            i = _first_difference(out, ar)
+            if i is not None:
+                with torch.inference_mode():
+                    logits = eager(torch.tensor([prompt + ar[:i]])).logits[0, -1]
+                top = logits.topk(2).values
+                assert float(top[0] - top[1]) < 1e-4, f"prompt {prompt}: differs from AR at {i} without a near-tie"
+
+
+def test_compile_tokens_modes(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path))
+    target = tiny_target()
+    assert compile_tokens(target, mode="off") == 0
+    assert compile_tokens(target, mode="on") == max(COMPILE_SIZES)
+    assert compile_tokens(target, measure=False) == 0  # nothing measured: eager
+    with pytest.raises(ValueError, match="'sometimes'"):
+        compile_tokens(target, mode="sometimes")
+    with pytest.raises(ValueError, match="-1"):
+        target.compile(-1)
+    assert not list(tmp_path.rglob("compile-*.json"))  # explicit modes and unmeasured auto write nothing
+
+
+def test_compile_tokens_measures_once_and_caches(tmp_path, monkeypatch):
+    """``auto`` times eager and compiled forwards, writes its choice with the times, and a second call (another
+    process would do the same) takes the cached choice without timing anything."""
+    monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path))
+    torch._dynamo.reset()
+    target = tiny_target()
+    lines = []
+    n = compile_tokens(target, message=lines.append)
+    assert n in (0, *COMPILE_SIZES) and target.compile_tokens == n
+    (path,) = machines_dir().glob("compile-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["compile_tokens"] == n and set(saved["eager_ms"]) == {str(s) for s in COMPILE_SIZES}
+    assert saved["compile_s"] > 0 and saved["machine"]["torch_threads"] == torch.get_num_threads()
+    assert len(lines) == 2 and "torch.compile" in lines[1]
+    again = []
+    assert compile_tokens(tiny_target(), message=again.append) == n and not again
