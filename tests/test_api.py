@@ -128,7 +128,7 @@ def test_assets_next_to_the_head_in_use_are_found(pipe, tiny_folders, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ layering
 
-PACKAGES = ("core", "models", "data", "offline", "methods", "head_training", "bench", "api", "cli")
+PACKAGES = ("core", "models", "data", "offline", "methods", "head_training", "bench", "serve", "api", "cli")
 
 
 def _imports(path: Path) -> set[str]:

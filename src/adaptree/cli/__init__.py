@@ -1,5 +1,6 @@
-"""Command line: ``adaptree generate | adapt | bench | report | compare-hf | tune-static | train-head | traces record |
-simulate | calibrate | oracle | radar dataset | radar train | train ltd | train resps | train radar``."""
+"""Command line: ``adaptree generate | serve | adapt | bench | report | compare-hf | tune-static | train-head |
+traces record | simulate | calibrate | oracle | radar dataset | radar train | train ltd | train resps | train radar``
+(``serve``: an OpenAI-compatible HTTP server, docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ __all__ = ["main", "build_parser", "build_controller", "load_pipeline", "method_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaptree.cli import adapt, bench, generate, head, offline, radar, train
+    from adaptree.cli import adapt, bench, generate, head, offline, radar, serve, train
 
     parser = argparse.ArgumentParser(prog="adaptree", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.register(sub)
+    serve.register(sub)
     adapt.register(sub)
     bench.register(sub)
     head.register(sub)
