@@ -124,6 +124,6 @@ def test_compile_tokens_measures_once_and_caches(tmp_path, monkeypatch):
     saved = json.loads(path.read_text())
     assert saved["compile_tokens"] == n and set(saved["eager_ms"]) == {str(s) for s in COMPILE_SIZES}
     assert saved["compile_s"] > 0 and saved["machine"]["torch_threads"] == torch.get_num_threads()
-    assert len(lines) == 2 and "torch.compile" in lines[1]
+    assert saved["agrees_with_eager"] and len(lines) == 2 and "torch.compile" in lines[1]
     again = []
     assert compile_tokens(tiny_target(), message=again.append) == n and not again
