@@ -15,8 +15,9 @@ Names are imported on first use, so ``import adaptree`` stays cheap.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from adaptree._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -39,13 +40,4 @@ if TYPE_CHECKING:
     from adaptree.methods import METHODS, MissingAssetError, make_controller
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'adaptree' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

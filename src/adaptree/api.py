@@ -101,29 +101,25 @@ class Stream:
         self._q: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._done = False
-        tok = pipeline.tokenizer
+        from adaptree.core.text import TextAssembler
 
         def run() -> None:
-            out: list[int] = []
-            printed = ""
+            text = TextAssembler(pipeline.tokenizer)
 
             def on_tokens(new: list[int]) -> None:
-                nonlocal printed
                 if self._cancel.is_set():
                     raise _Cancelled
-                out.extend(new)
-                text = tok.decode(out)
-                if text.startswith(printed) and len(text) > len(printed):  # a partial character may change later
-                    self._q.put(("text", text[len(printed):]))
-                    printed = text
+                piece = text.add(new)
+                if piece:
+                    self._q.put(("text", piece))
 
             try:
                 res = pipeline.engine.generate(ids, controller, max_new_tokens=max_new_tokens, sampling=sampling,
                                                on_tokens=on_tokens)
-                text = tok.decode(res.token_ids)
-                if text.startswith(printed) and len(text) > len(printed):
-                    self._q.put(("text", text[len(printed):]))
-                self._q.put(("done", Generation(text, res.token_ids, ids, res)))
+                final, piece = text.finish()
+                if piece:
+                    self._q.put(("text", piece))
+                self._q.put(("done", Generation(final, res.token_ids, ids, res)))
             except _Cancelled:
                 self._q.put(("cancelled", None))
             except BaseException as exc:  # handed to the consumer's thread

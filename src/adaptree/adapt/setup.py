@@ -17,9 +17,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
+
+from adaptree.core.engine import synchronize
 
 SETUP_VERSION = 1
 ADAPT_ENV = "ADAPTREE_ADAPT"
@@ -505,7 +508,7 @@ def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
         cache.length = context
         target(tok, position_ids=pos, cache=cache)
 
-    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    sync = partial(synchronize, target.device)
     return _time(step, steps, sync)
 
 
@@ -523,7 +526,7 @@ def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256
     k = torch.randn(1, cfg.num_key_value_heads, context + queries, cfg.head_dim, generator=gen).to(dev, dtype)
     mask = torch.ones(queries, context + queries, dtype=torch.bool, device=dev) if queries > 1 else None
     gqa = cfg.num_key_value_heads != cfg.num_attention_heads
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = partial(synchronize, dev)
     return _time(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=gqa), repeats, sync)
 
 
@@ -574,7 +577,7 @@ def _time_compiled(target, sizes: Sequence[int], context: int = 256, repeats: in
 
     cache = target.new_cache(context + max(sizes) + 1)
     gen = torch.Generator().manual_seed(0)
-    sync = (lambda: torch.cuda.synchronize(target.device)) if target.device.type == "cuda" else (lambda: None)
+    sync = partial(synchronize, target.device)
     steps = {}
     for n in sizes:
         depth, mask = random_tree(n, gen, target.device)

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
+
+from adaptree.core.engine import synchronize
 
 __all__ = ["PARTS", "profile_forward", "profile_table", "run_profile"]
 
@@ -110,7 +113,7 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
 
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(context + max(tokens) + 1)
-    sync = (lambda: torch.cuda.synchronize(model.device)) if model.device.type == "cuda" else (lambda: None)
+    sync = partial(synchronize, model.device)
     rows = []
     for t in tokens:
         ids, pos, mask = _inputs(model, context, t, gen)

@@ -31,7 +31,9 @@ TREE_SLOTS = 4096
 """Draft-cache room for one cycle's throw-away tree entries (W x D <= 64 x 64)."""
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU): what every wall-clock timing calls before reading
+    the clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -94,7 +96,7 @@ class Engine:
             self.draft_cache.reset()
         result = GenerationResult(prompt_len=n, token_ids=[], method=ctl.name)
 
-        _sync(dev)
+        synchronize(dev)
         t_start = time.perf_counter()
         src = self._models
         root = src.prefill(prompt_ids, sampling, use_draft, dev)
@@ -102,12 +104,12 @@ class Engine:
         stop = emit(tokens, [root], max_new_tokens, self.eos)
         if on_tokens:
             on_tokens([root])
-        _sync(dev)
+        synchronize(dev)
         result.prefill_s = time.perf_counter() - t_start
 
         stop = stop or run_cycles(src, ctl, prompt_ids, tokens, result.cycles, max_new_tokens, self.eos,
                                   time.perf_counter, on_tokens)
-        _sync(dev)
+        synchronize(dev)
         result.wall_time_s = time.perf_counter() - t_start
         result.stop_reason = stop
         return result
@@ -146,14 +148,14 @@ class _ModelSource(CycleSource):
         tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length)
         step = tree.first_step(self.pend_h, self.pend_t)
         self.pend_h = self.pend_t = None
-        _sync(self.dev)
+        synchronize(self.dev)
         rec.draft_s += time.perf_counter() - t0
         return step
 
     def draft_more(self, tree: DraftTree, rec: CycleRecord) -> DraftStep:
         t0 = time.perf_counter()
         step = tree.step()
-        _sync(self.dev)
+        synchronize(self.dev)
         rec.draft_s += time.perf_counter() - t0
         return step
 
@@ -168,7 +170,7 @@ class _ModelSource(CycleSource):
         out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
                           tree_mask=vtree.mask if vtree.size else None, features=self.use_draft)
         acc = verify(vtree, out.logits[0], self.sampling, self.gen)
-        _sync(self.dev)
+        synchronize(self.dev)
         rec.verify_s = time.perf_counter() - t0
 
         path = acc.path

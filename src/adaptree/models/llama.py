@@ -399,11 +399,9 @@ class Transformer(nn.Module):
         mask = build_attn_mask(past, tree_mask, t, input_ids.device)
         x = self.model.embed_tokens(input_ids)
         ks, vs = cache.layers() if cache is not None else (None, None)
-        if self._compiled is not None and cache is not None and b == 1 and past >= 2 and t <= self.compile_tokens:
-            # one graph per kind of step (a decode step, a tree), shared by every layer
-            x, tapped = self.model.run(x, cos, sin, ks, vs, past, mask, features, call=self._compiled)
-        else:
-            x, tapped = self.model.run(x, cos, sin, ks, vs, past, mask, features)
+        # compiled: decode steps and small trees after a cached prefix (one graph per kind, shared by every layer)
+        compiled = cache is not None and b == 1 and past >= 2 and t <= self.compile_tokens
+        x, tapped = self.model.run(x, cos, sin, ks, vs, past, mask, features, call=self._compiled if compiled else None)
         if cache is not None:
             cache.length = past + t
         feats = torch.cat(tapped, dim=-1) if features else None

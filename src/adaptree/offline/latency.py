@@ -30,9 +30,12 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
+
+from adaptree.core.engine import synchronize
 
 FEATURES = ("1", "x", "L", "x*L")
 
@@ -311,7 +314,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
         raise ValueError(f"repeats must be >= 1, got {repeats}")
 
     dev = target.device
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    sync = partial(synchronize, dev)
     max_len = target.max_seq_len
     fitting = [L for L in lengths if L + max(sizes) + 1 < max_len]
     if len(set(fitting)) < 2:

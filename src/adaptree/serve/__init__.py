@@ -18,8 +18,9 @@ Names are imported on first use, so ``import adaptree.serve.config`` does not lo
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from adaptree._lazy import lazy_exports
 
 _EXPORTS = {"ServeConfig": "adaptree.serve.config", "Server": "adaptree.serve.app", "create_app": "adaptree.serve.app",
             "serve": "adaptree.serve.server", "start_server": "adaptree.serve.server",
@@ -34,13 +35,4 @@ if TYPE_CHECKING:
     from adaptree.serve.server import RunningServer, serve, start_server
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'adaptree.serve' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
