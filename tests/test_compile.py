@@ -127,3 +127,24 @@ def test_compile_tokens_measures_once_and_caches(tmp_path, monkeypatch):
     assert saved["agrees_with_eager"] and len(lines) == 2 and "torch.compile" in lines[1]
     again = []
     assert compile_tokens(tiny_target(), message=again.append) == n and not again
+
+
+def test_inductor_cache_is_kept_per_kernel_level(tmp_path, monkeypatch):
+    """Kernels Inductor cached under one CPU kernel level are never reused under another (they gave NaN logits
+    under ATEN_CPU_CAPABILITY=avx2 after an AVX-512 run); a folder the user chose is left alone."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path))
+    level = str(torch.backends.cpu.get_cpu_capability())
+    for before in (None, default_cache_dir()):  # unset, or torch's default that torch writes back on first use
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        tiny_target().compile(1)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor" / f"{torch.__version__}-{level}")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    tiny_target().compile(1)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

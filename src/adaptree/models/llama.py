@@ -313,6 +313,21 @@ class ForwardOutput:
     """``[B, T, 3*hidden]``: outputs of layers (1, L//2-1, L-4) concatenated, when requested."""
 
 
+def _use_inductor_cache() -> None:
+    """Point Inductor's on-disk cache at ``$ADAPTREE_CACHE/inductor/<torch version>-<CPU kernel level>``, unless
+    ``$TORCHINDUCTOR_CACHE_DIR`` names a folder other than torch's default (which torch itself writes into the
+    environment on first use). Inductor's cache key leaves ``ATEN_CPU_CAPABILITY`` out: kernels cached under
+    AVX-512 gave NaN logits when reused under ``ATEN_CPU_CAPABILITY=avx2``."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from adaptree.models.cache import cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        level = str(torch.backends.cpu.get_cpu_capability())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / f"{torch.__version__}-{level}")
+
+
 class Transformer(nn.Module):
     """Llama-family causal LM with tree attention and EAGLE-3 feature taps."""
 
@@ -353,14 +368,13 @@ class Transformer(nn.Module):
 
         Where it pays is measured per machine (:func:`adaptree.adapt.setup.compile_tokens`): on a 2-core CPU it
         cut a SmolLM2 int4 decode step from 18.1 to 15.1 ms (per-op dispatch), and trees by 0-15%. Inductor keeps
-        the kernels it built under ``$ADAPTREE_CACHE/inductor``."""
+        the kernels it built under ``$ADAPTREE_CACHE/inductor/<torch version>-<CPU kernel level>`` (unless
+        ``$TORCHINDUCTOR_CACHE_DIR`` says otherwise)."""
         if int(max_tokens) < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.compile_tokens = int(max_tokens)
         if self.compile_tokens and self._compiled is None:
-            from adaptree.models.cache import cache_dir
-
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+            _use_inductor_cache()
             self._compiled = torch.compile(call_layer, dynamic=True)
         elif not self.compile_tokens:
             self._compiled = None
