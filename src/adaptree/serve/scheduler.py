@@ -225,8 +225,8 @@ class Scheduler:
             self._cond.notify_all()
         for job in waiting:
             job.state = "finished"
+            self._count(job, "shutdown")  # counted before the client can see the answer (metrics read after it agree)
             job.send("error", ShuttingDown("the server shut down before this request's turn came"))
-            self._count(job, "shutdown")
         if running is not None:
             running._shutdown = True
             running._cancel.set()
@@ -299,8 +299,8 @@ class Scheduler:
         except Exception as exc:
             log.exception("request %s failed in the engine", job.id)
             job.state = "finished"
-            job.send("error", GenerationFailed(f"the generation failed: {type(exc).__name__}: {exc}"))
             self._count(job, "failed")
+            job.send("error", GenerationFailed(f"the generation failed: {type(exc).__name__}: {exc}"))
             return
         end = time.perf_counter()
         self._service_s = 0.7 * self._service_s + 0.3 * (end - t0)
@@ -314,9 +314,9 @@ class Scheduler:
                         end - job.arrived)
         job.state = "finished"
         if res.stop_reason == "cancelled" and job._shutdown:
+            self._count(job, "shutdown", out)
             job.send("error", ShuttingDown(f"the server shut down during the generation (after {res.new_tokens} "
                                            "tokens)"))
-            self._count(job, "shutdown", out)
             return
-        job.send("done", out)
         self._count(job, "cancelled" if res.stop_reason == "cancelled" else "completed", out)
+        job.send("done", out)
