@@ -354,3 +354,113 @@ def test_only_the_size_policy_for_the_ablations(traces, tmp_path):
     assert list(s["stages"]) == ["stage1-size"] and s["chosen"]["policy"] == "stage1-size"
     pol = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
     assert pol.config.actions == [2, 4, 8, 16] and not (tmp_path / "run/policy/depth").exists()
+
+
+# ------------------------------------------------------------------------------------------ machine costs (issue 16)
+
+CHEAP_DRAFT = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.0)
+DEAR_DRAFT = LatencyModel(draft=[0.03, 0.0, 0.0, 0.0], verify=[0.03, 0.0002, 0.0, 0.0], other_s=0.0)
+
+
+def test_cost_features_enter_the_observation_and_follow_the_simulated_machine(models, traces):
+    from adaptree.offline.family import COST_FEATURES, cost_features
+
+    obs = LTDObservation(width=W, max_depth=DMAX, use_costs=True)
+    assert obs.depth_dim == OBS.depth_dim + len(COST_FEATURES) and obs.size_dim == OBS.size_dim + len(COST_FEATURES)
+    tree, steps = grow(models, 2)
+    costs = cost_features(LAT, W)
+    assert obs.depth_obs(steps[-1], costs)[-len(costs):].tolist() == pytest.approx(costs)
+    with pytest.raises(ValueError, match="latency model"):
+        obs.depth_obs(steps[-1])
+    ref = LTDObservation(width=W, max_depth=DMAX, use_costs=True, reference_costs=[0.1] * len(COST_FEATURES))
+    assert ref.size_obs(tree)[-len(COST_FEATURES):].tolist() == pytest.approx([0.1] * len(COST_FEATURES))
+    with pytest.raises(ValueError, match="reference_costs"):
+        LTDObservation(use_costs=True, reference_costs=[0.1])
+    # a depth policy that reads only the draft-step feature: continue iff drafting is cheap here
+    pol = random_policy("depth", 0, obs, hidden=(1,))
+    n = pol.config.obs_dim
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.zero_()
+        pol.body[0].weight[0, n - len(COST_FEATURES)] = -10.0  # draft_step / ar
+        pol.body[0].bias[0] = 2.0  # tanh(2 - 10 f): > 0 iff f < 0.2
+        pol.head.weight[1, 0] = 1.0
+    ctl = LTDController(LTDConfig(width=W, depth=DMAX, size=10, mode="depth", ar_fallback=False), depth_policy=pol)
+    cheap = simulate(ctl, traces, CHEAP_DRAFT, measure_policy=False)
+    dear = simulate(ctl, traces, DEAR_DRAFT, measure_policy=False)
+    assert cheap.summary()["mean_depth"] == DMAX and dear.summary()["mean_depth"] == 1
+
+
+def test_training_over_a_latency_family_then_a_fine_tune(traces, tmp_path):
+    from adaptree.methods.ltd.train import train_ltd
+    from adaptree.offline.policy import training_facts
+
+    DEAR_DRAFT.save(tmp_path / "dear.json")
+    cfg = tiny_train_config(tmp_path / "run", costs=True, family=(str(tmp_path / "dear.json"),), spread=1.5,
+                            iterations=1)
+    s = train_ltd(cfg, traces, CHEAP_DRAFT, progress=False)
+    assert len(s["settings"]["family"]["bases"]) == 2 and s["settings"]["family"]["spread"] == 1.5
+    assert len(s["chosen"]["per_machine"]) == 2  # validated on both measured machines
+    assert s["chosen"]["modelled_speedup"] == pytest.approx(np.exp(np.mean(np.log(s["chosen"]["per_machine"]))),
+                                                           rel=1e-4)
+    pol = MLPPolicy.load(tmp_path / "run/policy/depth", kind="ltd-depth")
+    o = LTDObservation.from_dict(pol.config.observation)
+    assert o.use_costs and len(o.reference_costs) == 5
+    assert training_facts(tmp_path / "run/policy/depth")["family"]["spread"] == 1.5
+    # without a latency model the controller runs on the reference costs; with one, on that machine's
+    make_controller("ltd", depth_policy=str(tmp_path / "run/policy/depth"),
+                    size_policy=str(tmp_path / "run/policy/size"), width=W)
+    # the fine-tune: the exported pair is Iter0, only the co-adaptation iterations run, each from its actor
+    ft = train_ltd(tiny_train_config(tmp_path / "ft", costs=True, init=str(tmp_path / "run/policy"), iterations=1),
+                   traces, DEAR_DRAFT, progress=False)
+    assert list(ft["stages"]) == ["iter1-size"]
+    assert [(r["depth_policy"], r["size_policy"]) for r in ft["iterations"]] == [("init-depth", "init-size"),
+                                                                              ("init-depth", "iter1-size")]
+    assert ft["chosen"]["modelled_speedup"] >= ft["iterations"][0]["modelled_speedup"]
+    with pytest.raises(ValueError, match="costs=True"):
+        train_ltd(tiny_train_config(tmp_path / "ft2", init=str(tmp_path / "run/policy"), iterations=1), traces,
+                  DEAR_DRAFT, progress=False)
+    with pytest.raises(ValueError, match="iterations"):
+        tiny_train_config(tmp_path / "ft3", init=str(tmp_path / "run/policy"), iterations=0)
+
+
+def test_a_cost_aware_size_policy_learns_both_machines_of_its_family(traces, tmp_path):
+    """Trained over a machine where verifying more nodes is free and one where each node costs a third of a
+    step, one size policy verifies more nodes where they are free: what a cost-blind policy cannot do."""
+    from adaptree.methods.ltd.train import train_ltd
+
+    flat = LatencyModel(draft=[0.002, 0.0, 0.0, 0.0], verify=[0.03, 0.0, 0.0, 0.0], other_s=0.0)
+    steep = LatencyModel(draft=[0.002, 0.0, 0.0, 0.0], verify=[0.0, 0.01, 0.0, 0.0], other_s=0.0)
+    steep.save(tmp_path / "steep.json")
+    s = train_ltd(tiny_train_config(tmp_path / "run", costs=True, family=(str(tmp_path / "steep.json"),),
+                                    only="size", size_steps=4096), traces, flat, progress=False)
+    ctl = make_controller("ltd-size", size_policy=str(tmp_path / "run/policy/size"), width=W, depth=4)
+    on_flat = simulate(ctl, traces, flat, measure_policy=False).summary()
+    on_steep = simulate(ctl, traces, steep, measure_policy=False).summary()
+    assert on_flat["mean_size"] > on_steep["mean_size"] + 4
+    assert s["chosen"]["policy"] == "stage1-size"
+
+
+def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models, traces):
+    """On a machine where no tree pays (each verified node costs 1/8 of a step, a draft step 1/5): the gate turns the policy's cycles
+    into AR steps (probing now and then) and the run is near AR speed; where trees pay it costs little."""
+    from adaptree.methods.ar_gate import ARGate
+
+    dear = LatencyModel(draft=[0.006, 0.0, 0.0, 0.0], verify=[0.026, 0.004, 0.0, 0.0], other_s=0.0)
+    pair = dict(depth_policy=rule_policy("depth"), size_policy=rule_policy("size"))
+    on = LTDController(LTDConfig(width=W, depth=DMAX), **pair)
+    off = LTDController(LTDConfig(width=W, depth=DMAX, ar_fallback=False), **pair)
+    gated, plain = (simulate(c, traces, dear, measure_policy=False) for c in (on, off))
+    assert plain.speedup < 0.6 and gated.speedup > 0.78  # 30-token runs: the first 3 drafted cycles weigh a lot
+    assert any(c.depth == 0 for r in gated.runs for c in r.cycles) and any(c.depth > 0 for r in gated.runs[1:]
+                                                                             for c in r.cycles)
+    for g, p in zip(gated.runs, plain.runs):
+        assert g.token_ids == p.token_ids  # AR steps change the speed, never the tokens
+    cheap_on, cheap_off = (simulate(c, traces, CHEAP_DRAFT, measure_policy=False) for c in (on, off))
+    assert cheap_off.speedup > 1.0 and cheap_on.speedup >= 0.97 * cheap_off.speedup  # trees pay: the gate costs little
+    # without a latency model the gate never closes; bad settings are named
+    assert not LTDController(LTDConfig(width=W, depth=DMAX), **pair).gate.ar_mode
+    with pytest.raises(ValueError, match="probe_every"):
+        LTDConfig(probe_every=0)
+    with pytest.raises(ValueError, match="smoothing"):
+        ARGate(smoothing=0.0)

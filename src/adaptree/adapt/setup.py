@@ -207,11 +207,20 @@ class MachineSetup:
         return int(self.took_s.get("trace_prompts", 0))
 
 
+MACHINE_POLICIES = {"depth_policy": "ltd/depth", "size_policy": "ltd/size"}
+"""Method option -> policy folder inside a setup folder: what ``adaptree train ltd --machine`` exports there (used
+instead of the policies shipped next to the head once it exists)."""
+
+
 def machine_assets(folder: Path, acceptance: Path | None) -> dict[str, str]:
-    """The files of a setup folder as method options: ``latency``, ``tuned`` and (when it exists) ``acceptance``."""
+    """The files of a setup folder as method options: ``latency``, ``tuned`` and (when they exist) ``acceptance``
+    and this machine's own retrained policies (:data:`MACHINE_POLICIES`)."""
     out = {"latency": str(folder / "latency.json"), "tuned": str(folder / "static_gs.json")}
     if acceptance is not None and acceptance.is_file():
         out["acceptance"] = str(acceptance)
+    for option, sub in MACHINE_POLICIES.items():
+        if (folder / sub / "config.json").is_file():
+            out[option] = str(folder / sub)
     return out
 
 

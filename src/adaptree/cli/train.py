@@ -67,6 +67,11 @@ def register(sub) -> None:
                    help="observation: pdl = scores + D + L (LTD), pl = without D, pd = without L (default pdl)")
     g.add_argument("--live", action="store_true",
                    help="train on the live engine with wall-clock rewards (slow; validation stays on the simulator)")
+    g.add_argument("--machine", action="store_true",
+                   help="retrain for this machine (minutes): start from the policies next to the head (--init), "
+                        "fine-tune them on this machine's latency model (its setup, measured first if missing) over "
+                        "training traces cached per model and head, and export the best pair into the machine's "
+                        "setup folder, where ltd uses it from then on")
     add_output_args(p, json_help="print the summary as JSON")
     p.set_defaults(func=cmd_train_ltd)
 
@@ -94,18 +99,80 @@ def register(sub) -> None:
     radar.add_train_args(tsub.add_parser("radar", help=f"RADAR: {radar.TRAIN_HELP} (= `adaptree radar train`)"))
 
 
+MACHINE_LTD = {"iter_steps": 12_000, "iterations": 2, "eval_every": 2}
+"""``train ltd --machine``'s budget where the flags are left at their defaults (about 5 minutes of PPO on 2 cores)."""
+
+
 def cmd_train_ltd(args) -> int:
     from adaptree.methods.ltd.workflow import train_ltd_for
     from adaptree.offline.latency import require_latency
 
     use_depth, use_length = OBS_ABLATIONS[args.obs]
-    cfg = _ltd_flags().build(args, use_depth=use_depth, use_length=use_length, threads=args.threads)
+    overrides = dict(use_depth=use_depth, use_length=use_length, threads=args.threads)
+    if args.machine:
+        return _train_ltd_machine(args, overrides)
+    cfg = _ltd_flags().build(args, **overrides)
     prompts = _prompt_flags().build(args)
     latency = require_latency(args.latency)  # before the models load
     s = train_ltd_for(common.load_pipeline(args), cfg, latency, prompts, live=args.live, progress=not args.quiet)
+    _print_ltd(args, cfg, s)
+    return 0
+
+
+def _train_ltd_machine(args, overrides: dict) -> int:
+    """``train ltd --machine``: the shipped pair fine-tuned on this machine's latency model, exported to its setup."""
+    import dataclasses
+    import shutil
+    from pathlib import Path
+
+    from adaptree.adapt.setup import MACHINE_POLICIES, traces_dir
+    from adaptree.methods.ltd.controller import LTDObservation
+    from adaptree.methods.ltd.train import LTDTrainConfig
+    from adaptree.methods.ltd.workflow import train_ltd_for
+    from adaptree.offline.latency import LatencyModel
+    from adaptree.offline.policy import MLPPolicy
+    from adaptree.offline.store import head_fingerprint, model_fingerprint
+
+    if args.live or args.latency:
+        raise ValueError("--machine trains on this machine's own latency model in the simulator: drop --live and "
+                         "--latency")
+    args.adapt = True
+    pipeline = common.load_pipeline(args)
+    setup = pipeline.machine
+    if setup is None:
+        raise ValueError("no machine setup could be made for this model (it needs a draft head)")
+    default = {f.name: f.default for f in dataclasses.fields(LTDTrainConfig)}
+    for name, value in MACHINE_LTD.items():  # the short budget, where the flag was left at its default
+        if getattr(args, name) == default[name]:
+            overrides[name] = value
+    init = Path(args.init) if args.init else Path(pipeline.head_folder) / "ltd"
+    obs = LTDObservation.from_dict(MLPPolicy.load(init / "depth", kind="ltd-depth").config.observation)
+    sizes = MLPPolicy.load(init / "size", kind="ltd-size").config.actions
+    cfg = _ltd_flags().build(args, **{**overrides, "init": str(init), "costs": obs.use_costs,
+                                      "sizes": tuple(int(v) for v in sizes), "max_depth": obs.max_depth,
+                                      "width": obs.width,
+                                      "out": args.out if args.out != default["out"] else str(setup.folder / "ltd-run")})
+    prompts = _prompt_flags().build(args)
+    if prompts.traces is None:  # machine-independent: one folder per model and head, reused by every machine
+        prompts.traces = str(traces_dir() / f"{model_fingerprint(pipeline.target)[:16]}-"
+                                            f"{head_fingerprint(pipeline.head)[:16]}-ltd")
+    s = train_ltd_for(pipeline, cfg, LatencyModel.load(setup.latency_path), prompts, progress=not args.quiet)
+    for option, sub in MACHINE_POLICIES.items():
+        dst = setup.folder / sub
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(Path(s["export"]) / sub.split("/")[-1], dst)
+    _print_ltd(args, cfg, s)
+    if not args.json:
+        print(f"this machine's LTD policies: {setup.folder / 'ltd'} (used by ltd, ltd-depth and ltd-size here from "
+              f"now on; delete the folder to go back to the shipped ones)")
+    return 0
+
+
+def _print_ltd(args, cfg, s) -> None:
     if args.json:
         print(json.dumps(dict(s)))
-        return 0
+        return
     print(f"{len(s['train_prompts'])} training / {len(s['val_prompts'])} validation prompts; "
           f"{s['train_seconds_all_stages']:.0f} s of PPO in all stages")
     for name, r in s["stages"].items():
@@ -119,7 +186,6 @@ def cmd_train_ltd(args) -> int:
         print(f"  {name:<18} val {r['modelled_speedup']:.3f}x  tau {r['tau']:.2f}")
     chosen = f"Iter{s['chosen']['iteration']}" if "iteration" in s["chosen"] else s["chosen"]["policy"]
     print(f"chosen: {chosen}; policies in {s['export']} (summary: {cfg.out}/summary.json)")
-    return 0
 
 
 def cmd_train_resps(args) -> int:

@@ -55,6 +55,10 @@ class CycleContext:
     ``begin_cycle``, copy it to keep it)."""
 
 
+AR_PLAN = TreePlan(1, 0, 0)
+"""An autoregressive step inside a tree method's run: no drafting, the root alone is verified."""
+
+
 class Controller:
     """Base controller: a static plan, draft to the plan's depth, verify the plan's size."""
 
@@ -64,6 +68,11 @@ class Controller:
 
     def reset(self) -> None:
         """Called at the start of every generation."""
+
+    def use_latency(self, latency) -> None:
+        """This machine's :class:`~adaptree.offline.latency.LatencyModel` (in replay and training: the simulated
+        machine's, called before every generation). Controllers that see what the hardware costs read it here;
+        the others ignore it."""
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         raise NotImplementedError

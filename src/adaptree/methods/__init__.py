@@ -137,9 +137,11 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("svip", SVIPConfig, SVIPController),
     Method("gammatune", GammatuneConfig, GammatuneController),
     Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,)),
-    Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"]),
-    Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"]),
-    Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"]),
+    Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
+           machine_options=("latency", "depth_policy", "size_policy")),
+    Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],
+           machine_options=("latency", "depth_policy")),
+    Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"], machine_options=("latency", "size_policy")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True),
 )}
 """Method name -> registry entry, in the order the docs list them."""

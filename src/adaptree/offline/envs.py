@@ -62,23 +62,31 @@ class SimSource:
     :param max_new_tokens: a smaller token limit than the traces' (None = theirs).
     """
 
-    def __init__(self, traces: Sequence, latency, max_new_tokens: int | None = None) -> None:
+    def __init__(self, traces: Sequence, latency, max_new_tokens: int | None = None, family=None) -> None:
         self.traces = list(traces)
         if not self.traces:
             raise ValueError("SimSource needs at least one trace")
         if latency is None:
             raise ValueError("SimSource needs a latency model (rewards are modelled seconds)")
-        self.latency, self.max_new_tokens = latency, max_new_tokens
-        s = self.traces[0]
-        self.reference_step_s = latency.verify_time(0, s.prompt_len + 128) + latency.other_s
+        self.latency, self.max_new_tokens, self.family = latency, max_new_tokens, family
+        self.reference_len = self.traces[0].prompt_len + 128
+        self.reference_step_s = ar_step_s(latency, self.reference_len)
 
     def __len__(self) -> int:
         return len(self.traces)
 
-    def run(self, controller: Controller, index: int) -> None:
+    def run(self, controller: Controller, index: int, rng: np.random.Generator | None = None) -> None:
+        """One generation; with a :class:`~adaptree.offline.family.LatencyFamily`, on a member drawn with ``rng``
+        (the controller is told which through ``use_latency``)."""
         from adaptree.offline.simulator import simulate_one
 
-        simulate_one(controller, self.traces[index], self.latency, self.max_new_tokens, measure_policy=False)
+        latency = self.latency if self.family is None or rng is None else self.family.sample(rng)
+        simulate_one(controller, self.traces[index], latency, self.max_new_tokens, measure_policy=False)
+
+
+def ar_step_s(latency, context_len: int) -> float:
+    """Modelled seconds of one autoregressive step at ``context_len``: what throughput rewards are scaled by."""
+    return latency.verify_time(0, context_len) + latency.other_s
 
 
 class LiveSource:
@@ -89,11 +97,15 @@ class LiveSource:
     :param sampling: :class:`~adaptree.verify.SamplingConfig` (greedy by default).
     """
 
-    def __init__(self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, sampling=None) -> None:
+    def __init__(self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, sampling=None,
+                 latency=None) -> None:
         self.engine, self.prompts = engine, [list(p) for p in prompts]
         if not self.prompts:
             raise ValueError("LiveSource needs at least one prompt")
         self.max_new_tokens, self.sampling = max_new_tokens, sampling
+        self.latency = latency
+        """This machine's latency model, handed to the controller before every generation (policies that see the
+        hardware's costs read them from it); None: none is handed."""
         self._ref: float | None = None
         self.owner = None  # the one environment whose worker may run the engine (its KV caches are shared)
 
@@ -109,7 +121,9 @@ class LiveSource:
             self._ref = times[len(times) // 2]
         return self._ref
 
-    def run(self, controller: Controller, index: int) -> None:
+    def run(self, controller: Controller, index: int, rng: np.random.Generator | None = None) -> None:
+        if self.latency is not None:
+            controller.use_latency(self.latency)
         self.engine.generate(self.prompts[index], controller, max_new_tokens=self.max_new_tokens,
                              sampling=self.sampling)
 
@@ -150,6 +164,10 @@ class _Bridge(Controller):
         self.muted = False
 
     # ---- the seam
+    def use_latency(self, latency) -> None:
+        self.inner.use_latency(latency)
+        self.env.use_latency(latency)
+
     def reset(self) -> None:
         self.inner.reset()
         self.interval, self.left, self.asked, self.muted = [], 0, False, False
@@ -232,6 +250,9 @@ class CycleEnv(gym.Env):
         self.reward_scale = float(reward_scale if reward_scale is not None else source.reference_step_s)
         if self.reward_scale <= 0:
             raise ValueError(f"reward_scale must be > 0, got {self.reward_scale}")
+        self._auto_scale = reward_scale is None
+        self.latency = getattr(source, "latency", None)
+        """The latency model of the generation running now (a family member drawn for it in training)."""
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(obs_dim,), dtype=np.float32)
         self.action_space = gym.spaces.Discrete(n_actions)
         self._seed = seed
@@ -252,6 +273,13 @@ class CycleEnv(gym.Env):
 
     def plan_of(self, action: int) -> TreePlan:
         raise NotImplementedError
+
+    def use_latency(self, latency) -> None:
+        """The generation about to run is on ``latency`` (worker thread, before the generation's first decision):
+        automatic reward scales follow its autoregressive step, so rewards read as speedups on every member."""
+        self.latency = latency
+        if self._auto_scale and isinstance(self.source, SimSource):  # live rewards keep the measured AR step
+            self.reward_scale = ar_step_s(latency, getattr(self.source, "reference_len", 256))
 
     # ---- rewards
     def reward(self, rec: CycleRecord) -> float:
@@ -280,7 +308,7 @@ class CycleEnv(gym.Env):
                 with torch.inference_mode():
                     while True:
                         for i in rng.permutation(len(self.source)):
-                            self.source.run(bridge, int(i))
+                            self.source.run(bridge, int(i), rng)
                             bridge.generation_done()
             except _Closed:
                 pass

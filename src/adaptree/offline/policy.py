@@ -166,21 +166,33 @@ class MLPPolicy(nn.Module):
 
     # ---- SB3 ------------------------------------------------------------------------------------------
 
+    def _sb3_pairs(self, sb3_policy) -> list[tuple[nn.Linear, nn.Linear]]:
+        """(SB3 actor layer, this policy's layer) pairs, shapes checked."""
+        src = [m for m in sb3_policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)] + [sb3_policy.action_net]
+        dst = [m for m in self.body if isinstance(m, nn.Linear)] + [self.head]
+        if len(src) != len(dst):
+            raise ValueError(f"the SB3 actor has {len(src)} linear layers, the config needs {len(dst)}")
+        for s, d in zip(src, dst):
+            if s.weight.shape != d.weight.shape:
+                raise ValueError(f"SB3 layer shape {tuple(s.weight.shape)} does not match {tuple(d.weight.shape)}")
+        return list(zip(src, dst))
+
     @classmethod
     def from_sb3(cls, sb3_policy, config: MLPPolicyConfig) -> "MLPPolicy":
         """Copy the actor of an SB3 ``ActorCriticPolicy`` (``mlp_extractor.policy_net`` + ``action_net``)."""
-        src = [m for m in sb3_policy.mlp_extractor.policy_net if isinstance(m, nn.Linear)] + [sb3_policy.action_net]
         model = cls(config)
-        dst = [m for m in model.body if isinstance(m, nn.Linear)] + [model.head]
-        if len(src) != len(dst):
-            raise ValueError(f"the SB3 actor has {len(src)} linear layers, the config needs {len(dst)}")
         with torch.no_grad():
-            for s, d in zip(src, dst):
-                if s.weight.shape != d.weight.shape:
-                    raise ValueError(f"SB3 layer shape {tuple(s.weight.shape)} does not match {tuple(d.weight.shape)}")
+            for s, d in model._sb3_pairs(sb3_policy):
                 d.weight.copy_(s.weight.detach().cpu())
                 d.bias.copy_(s.bias.detach().cpu())
         return model.eval()
+
+    def into_sb3(self, sb3_policy) -> None:
+        """Copy this actor into an SB3 ``ActorCriticPolicy`` (a warm start; its critic is left as it is)."""
+        with torch.no_grad():
+            for s, d in self._sb3_pairs(sb3_policy):
+                s.weight.copy_(d.weight.to(s.weight.device))
+                s.bias.copy_(d.bias.to(s.bias.device))
 
     # ---- files ----------------------------------------------------------------------------------------
 

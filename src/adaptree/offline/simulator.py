@@ -241,6 +241,8 @@ def simulate_one(controller: Controller, trace: PromptTrace, latency_model: Late
     eos = frozenset(s.eos_token_ids)
     src = _ReplaySource(trace, ctl.uses_draft, lat)
     n = trace.prompt_len
+    if lat is not None:
+        ctl.use_latency(lat)  # the simulated machine is the controller's machine
     ctl.reset()
     run = SimRun(trace.key, n, [])
     tokens = run.token_ids
@@ -272,7 +274,8 @@ def simulate(controller: Controller, traces: PromptTrace | Iterable[PromptTrace]
              measure_policy: bool = True) -> SimResult:
     """Replay ``controller`` over one trace or several (one generation per prompt, in order).
 
-    :param latency_model: gives every cycle's ``draft_s``/``verify_s``/``other_s`` (0 without one).
+    :param latency_model: gives every cycle's ``draft_s``/``verify_s``/``other_s`` (0 without one), and is handed
+        to the controller (:meth:`~adaptree.core.controller.Controller.use_latency`) before every generation.
     :param max_new_tokens: a smaller token limit than the traces were recorded with.
     :param measure_policy: time the controller's calls (``policy_s``); False keeps results deterministic.
     """

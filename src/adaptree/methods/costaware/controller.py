@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, check_shape
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
@@ -102,8 +102,6 @@ class CostAwareConfig:
         return TreePlan(self.width, self.max_depth, self.max_size)
 
 
-AR_PLAN = TreePlan(1, 0, 0)
-"""An autoregressive step: no drafting, the root alone is verified."""
 
 
 class CostAwareController(Controller):
@@ -133,6 +131,10 @@ class CostAwareController(Controller):
         self.reset()
 
     # ------------------------------------------------------------------------------------------- state
+
+    def use_latency(self, latency) -> None:
+        """The machine's latency model (in replay: the simulated machine's) replaces the configured one."""
+        self.latency = latency
 
     def reset(self) -> None:
         self.tok_avg: float | None = None  # EMA of emitted tokens per cycle

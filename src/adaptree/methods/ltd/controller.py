@@ -7,6 +7,12 @@ every cycle's tree, trained with PPO on the cycle's throughput.
 * size policy π_V, once drafting stopped: V from 12 values 20, 40, ..., 240, from ALL candidate
   log-probs (padded to the largest tree), D and L.
 
+With ``use_costs`` (issue 16) both observations end with the machine's cost features
+(:func:`adaptree.offline.family.cost_features`: draft step, verification growth and overhead relative to one
+autoregressive step), read from this machine's latency model at inference (``latency``, filled from the machine
+setup) and from the family member of each generation in training; without a latency model the policy's
+``reference_costs`` stand in.
+
 L is the true context length at training and at inference (the public code reads it after the input
 ids were overwritten: a constant at inference). The observation is built by :class:`LTDObservation`,
 the one function the simulator environments (training) and this controller (inference) share, and its
@@ -30,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape, check_shape
+from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape, check_shape
+from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.methods.ar_gate import ARGate
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -57,6 +65,10 @@ class LTDObservation:
     """Scores enter as score * score_scale (inputs in [-2, 0] with the defaults)."""
     length_scale: float = 1000.0
     """L enters as L / length_scale (the paper's code)."""
+    use_costs: bool = False
+    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES; issue 16)."""
+    reference_costs: list[float] | None = None
+    """The cost features assumed when no latency model is given (the training family's median)."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
@@ -64,6 +76,13 @@ class LTDObservation:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         if self.score_scale <= 0 or self.length_scale <= 0:
             raise ValueError(f"score_scale and length_scale must be > 0, got {self.score_scale}, {self.length_scale}")
+        if self.reference_costs is not None:
+            from adaptree.offline.family import COST_FEATURES
+
+            self.reference_costs = [float(x) for x in self.reference_costs]
+            if len(self.reference_costs) != len(COST_FEATURES):
+                raise ValueError(f"reference_costs needs {len(COST_FEATURES)} values {COST_FEATURES}, got "
+                                 f"{self.reference_costs}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LTDObservation":
@@ -81,7 +100,15 @@ class LTDObservation:
         return self.width + (self.max_depth - 1) * self.width * self.width
 
     def _extras(self) -> int:
-        return int(self.use_depth) + int(self.use_length)
+        from adaptree.offline.family import COST_FEATURES
+
+        return int(self.use_depth) + int(self.use_length) + (len(COST_FEATURES) if self.use_costs else 0)
+
+    def costs_of(self, latency) -> list[float] | None:
+        """The cost features of ``latency`` for this observation (None when it does not use them)."""
+        from adaptree.offline.family import cost_features
+
+        return cost_features(latency, self.width) if self.use_costs else None
 
     @property
     def depth_dim(self) -> int:
@@ -96,8 +123,10 @@ class LTDObservation:
         """What an empty score slot holds."""
         return self.score_floor * self.score_scale
 
-    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sorted, clamped, scaled scores; the extras D and L): the observation without its padding."""
+    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
+               costs: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sorted, clamped, scaled scores; the extras D, L and the costs): the observation without its
+        padding."""
         s = scores.detach().float().reshape(-1).cpu()
         if s.numel() > n:
             raise ValueError(f"{s.numel()} scores do not fit the observation's {n} slots "
@@ -106,23 +135,31 @@ class LTDObservation:
         head = torch.nan_to_num(srt, nan=self.score_floor) * self.score_scale
         extras = ([depth / self.max_depth] if self.use_depth else []) + (
             [context_len / self.length_scale] if self.use_length else [])
+        if self.use_costs:
+            costs = costs if costs is not None else self.reference_costs
+            if costs is None:
+                raise ValueError("this LTD policy sees the machine's costs: give it a latency model (the machine "
+                                 "setup's, or --ltd-latency PATH)")
+            extras += list(costs)
         return head, torch.tensor(extras, dtype=torch.float32)
 
-    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int) -> torch.Tensor:
-        head, tail = self._parts(scores, n, depth, context_len)
+    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
+                costs: list[float] | None) -> torch.Tensor:
+        head, tail = self._parts(scores, n, depth, context_len, costs)
         return torch.cat([head, torch.full((n - head.numel(),), self.pad_value), tail])
 
-    def depth_obs(self, step: DraftStep) -> torch.Tensor:
-        """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L."""
-        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len)
+    def depth_obs(self, step: DraftStep, costs: list[float] | None = None) -> torch.Tensor:
+        """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L
+        (and the costs)."""
+        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs)
 
-    def size_obs(self, tree: DraftTree) -> torch.Tensor:
-        """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L."""
-        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
+    def size_obs(self, tree: DraftTree, costs: list[float] | None = None) -> torch.Tensor:
+        """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L (and the costs)."""
+        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs)
 
-    def size_parts(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    def size_parts(self, tree: DraftTree, costs: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`size_obs` without the padding, for :meth:`~adaptree.rl.policy.MLPPolicy.act_padded`."""
-        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len)
+        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs)
 
 
 @dataclass
@@ -142,12 +179,22 @@ class LTDConfig(TreeShape):
     """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     mode: str = "both"
     """both | depth | size: which policies decide."""
+    latency: str | None = None
+    """Latency model JSON of this machine: the cost features of policies that see them and the AR fallback's
+    costs (filled from the machine setup; without one, the policies' reference costs and no fallback)."""
+    ar_fallback: bool = True
+    """Take AR steps while the policies' trees earn fewer tokens per modelled second than AR steps here, probing
+    every ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model; off in training)."""
+    probe_every: int = 8
+    """In AR mode, let the policies draft one cycle in this many."""
 
     unset_depth: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         super().__post_init__()
 
 
@@ -207,18 +254,42 @@ class LTDController(Controller):
         if self.size_policy is not None and depth > self.size_obs.max_depth:
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
         self.plan = cfg.plan(depth)
+        self.depth_costs = self.size_costs = None
+        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        if cfg.latency:
+            from adaptree.offline.latency import load_checked
+
+            self.use_latency(load_checked(cfg.latency, quiet=True))
+
+    def use_latency(self, latency) -> None:
+        if self.depth_policy is not None:
+            self.depth_costs = self.depth_obs.costs_of(latency)
+        if self.size_policy is not None:
+            self.size_costs = self.size_obs.costs_of(latency)
+        if self.gate is not None:
+            self.gate.latency = latency
+
+    def reset(self) -> None:
+        if self.gate is not None:
+            self.gate.reset()
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        if self.gate is not None and self.gate.ar_step():
+            return AR_PLAN
         return self.plan
+
+    def end_cycle(self, record: CycleRecord) -> None:
+        if self.gate is not None:
+            self.gate.record(record)
 
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:
             return True
-        return self.depth_policy.act(self.depth_obs.depth_obs(step)) == CONTINUE
+        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs)) == CONTINUE
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:
             return plan.size
-        head, tail = self.size_obs.size_parts(tree)  # most of the input is padding: skip multiplying it
+        head, tail = self.size_obs.size_parts(tree, self.size_costs)  # most of the input is padding: skip multiplying it
         return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
                                                       tail)]

@@ -12,7 +12,17 @@ from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.offline.envs import CycleEnv
 
 
-class DepthEnv(CycleEnv):
+class _LTDEnv(CycleEnv):
+    """The cost features of the generation's latency model, for observations that use them."""
+
+    costs: list[float] | None = None
+
+    def use_latency(self, latency) -> None:
+        super().use_latency(latency)
+        self.costs = self.obs_spec.costs_of(latency)
+
+
+class DepthEnv(_LTDEnv):
     """LTD's depth decisions: after every draft forward, STOP (0) or CONTINUE (1).
 
     :param observation: an :class:`~adaptree.controllers.ltd.LTDObservation` (``depth_obs``).
@@ -27,10 +37,10 @@ class DepthEnv(CycleEnv):
         super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
 
     def observe(self, step: DraftStep) -> np.ndarray:
-        return self.obs_spec.depth_obs(step).numpy()
+        return self.obs_spec.depth_obs(step, self.costs).numpy()
 
 
-class SizeEnv(CycleEnv):
+class SizeEnv(_LTDEnv):
     """LTD's size decision: once drafting stopped, V = ``sizes[action]``.
 
     :param inner: decides the depth (:class:`RandomDepthController` in LTD's stage 1, the frozen depth
@@ -46,7 +56,7 @@ class SizeEnv(CycleEnv):
         super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
 
     def observe(self, tree: DraftTree) -> np.ndarray:
-        return self.obs_spec.size_obs(tree).numpy()
+        return self.obs_spec.size_obs(tree, self.costs).numpy()
 
     def size_of(self, action: int) -> int:
         return self.sizes[action]

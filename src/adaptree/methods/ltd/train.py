@@ -119,6 +119,17 @@ class LTDTrainConfig:
     """Share of the training traces (by prompt) held out for checkpoint selection."""
     eval_every: int = 8
     """Validate every this many rollouts (and at the end of a stage)."""
+    costs: bool = False
+    """The policies see the machine's cost features (adaptree.offline.family; issue 16)."""
+    family: tuple[str, ...] = ()
+    """More measured latency models (JSON files) to train over, next to the main one: each generation runs on a
+    member drawn at random (perturbed by ``spread``); validation is the geometric mean over the measured ones."""
+    spread: float = 1.0
+    """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
+    drawn log-uniformly from [1/spread, spread] (1 = none)."""
+    init: str | None = None
+    """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
+    co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
     seed: int = 0
     threads: int | None = None
     """torch threads for PPO updates (None: torch's default)."""
@@ -143,15 +154,33 @@ class LTDTrainConfig:
         self.sizes = tuple(int(v) for v in self.sizes)
         if len(self.sizes) < 2 or min(self.sizes) < 1:
             raise ValueError(f"sizes needs at least 2 values >= 1, got {self.sizes}")
+        self.family = tuple(str(f) for f in self.family)
+        if not self.spread >= 1.0:
+            raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
+        if self.init is not None and (self.only or self.iterations < 1):
+            raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
+                             "no --only")
 
-    def observation(self) -> LTDObservation:
+    def observation(self, reference_costs: list[float] | None = None) -> LTDObservation:
         return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
-                              use_length=self.use_length)
+                              use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs)
 
     def stages(self) -> list[str]:
         if self.only:
             return [f"stage1-{self.only}"]
+        if self.init is not None:
+            return list(STAGES[2:2 + self.iterations])
         return list(STAGES[:2 + self.iterations])
+
+    def latency_family(self, latency):
+        """The family trained over (None: the one ``latency``, as LTD does)."""
+        from adaptree.offline.family import LatencyFamily
+        from adaptree.offline.latency import LatencyModel
+
+        if not self.family and self.spread == 1.0:
+            return None
+        return LatencyFamily([latency, *(LatencyModel.load(f) for f in self.family)], self.spread,
+                             ["main", *self.family])
 
 
 def _lr_schedule(lr: float, warmup: float):
@@ -171,8 +200,8 @@ def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list
 class _Stage:
     """One PPO run; what it learns, against what, and how it is validated."""
 
-    def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None) -> None:
-        self.name, self.cfg, self.partner = name, cfg, partner
+    def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None, obs: LTDObservation) -> None:
+        self.name, self.cfg, self.partner, self.obs = name, cfg, partner, obs
         self.kind = "size" if name.endswith("size") else "depth"
         self.iteration = name.startswith("iter")
 
@@ -184,7 +213,7 @@ class _Stage:
         return c.size_steps if self.kind == "size" else c.depth_steps
 
     def policy_config(self) -> MLPPolicyConfig:
-        c, obs = self.cfg, self.cfg.observation()
+        c, obs = self.cfg, self.obs
         if self.kind == "size":
             return MLPPolicyConfig("ltd-size", obs.size_dim, list(c.sizes), list(c.size_pi), "tanh", obs.to_dict())
         return MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(c.depth_pi), "tanh",
@@ -196,43 +225,55 @@ class _Stage:
         if self.kind == "size":
             if self.partner is None:
                 return RandomDepthController(rng, c.width, 1, c.max_depth, c.fixed_size)
-            return LTDController(LTDConfig(width=c.width, depth=c.max_depth, mode="depth"), depth_policy=self.partner)
+            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, mode="depth"), depth_policy=self.partner)
         if self.partner is None:
             return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
-        return LTDController(LTDConfig(width=c.width, depth=c.max_depth, mode="size"), size_policy=self.partner)
+        return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, mode="size"), size_policy=self.partner)
 
     def controller(self, policy: MLPPolicy) -> LTDController:
         """How the stage's policy is validated (see the module docstring)."""
         c = self.cfg
         if self.kind == "size":
             if self.partner is None:
-                return LTDController(LTDConfig(width=c.width, depth=c.fixed_depth, mode="size"), size_policy=policy)
-            return LTDController(LTDConfig(width=c.width, depth=c.max_depth), depth_policy=self.partner,
+                return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.fixed_depth, mode="size"), size_policy=policy)
+            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth), depth_policy=self.partner,
                                  size_policy=policy)
         if self.partner is None:
-            return LTDController(LTDConfig(width=c.width, depth=c.max_depth, size=c.fixed_size, mode="depth"),
+            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, size=c.fixed_size, mode="depth"),
                                  depth_policy=policy)
-        return LTDController(LTDConfig(width=c.width, depth=c.max_depth), depth_policy=policy, size_policy=self.partner)
+        return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth), depth_policy=policy, size_policy=self.partner)
 
     def make_env(self, source, seed: int):
-        c, obs = self.cfg, self.cfg.observation()
+        c, obs = self.cfg, self.obs
         if self.kind == "size":
             return SizeEnv(source, obs, self.inner, sizes=c.sizes, reward=c.reward, seed=seed)
         return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed)
 
 
 def evaluate(controller, traces: list, latency) -> dict:
-    """Modelled speedup, tau, mean depth and V of ``controller`` replayed on ``traces`` (policy time apart)."""
+    """Modelled speedup, tau, mean depth and V of ``controller`` replayed on ``traces`` (policy time apart).
+
+    ``latency`` may be a list of latency models (a family's measured members): then the speedup is the
+    geometric mean over them (``per_machine`` lists each), the other numbers their means."""
     from adaptree.offline.simulator import simulate
 
-    res = simulate(controller, traces, latency, measure_policy=False)
-    s = res.summary()
-    return {k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")}
+    models = list(latency) if isinstance(latency, (list, tuple)) else [latency]
+    rows = []
+    for m in models:
+        s = simulate(controller, traces, m, measure_policy=False).summary()
+        rows.append({k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")})
+    if len(rows) == 1:
+        return rows[0]
+    out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    out["modelled_speedup"] = float(np.exp(np.mean(np.log([max(r["modelled_speedup"], 1e-9) for r in rows]))))
+    out["per_machine"] = [round(r["modelled_speedup"], 5) for r in rows]
+    return out
 
 
 def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, latency, folder: Path,
-               init: Path | None, progress: bool) -> dict:
-    """Train one stage with SB3 PPO; returns its result (best validation, times)."""
+               init: Path | MLPPolicy | None, progress: bool) -> dict:
+    """Train one stage with SB3 PPO; returns its result (best validation, times). ``init``: the previous stage's
+    SB3 state (actor and critic), or a policy whose actor starts this stage (a fine-tune)."""
     from safetensors.torch import load_file
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
@@ -248,7 +289,9 @@ def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, lat
                 batch_size=cfg.batch_size, n_epochs=cfg.n_epochs, ent_coef=cfg.ent_coef,
                 gamma=cfg.gamma_size if stage.kind == "size" else cfg.gamma_depth,
                 policy_kwargs=dict(net_arch=arch), seed=seed0, device="cpu", verbose=0)
-    if init is not None:  # co-adaptation: start from the previous stage's actor and critic
+    if isinstance(init, MLPPolicy):  # a fine-tune: the given actor, a fresh critic
+        init.into_sb3(model.policy)
+    elif init is not None:  # co-adaptation: start from the previous stage's actor and critic
         model.policy.load_state_dict(load_file(str(init)), strict=True)
     pcfg = stage.policy_config()
     log = CsvLog(folder / "log.csv", LOG_FIELDS)
@@ -307,8 +350,27 @@ def _run_stage(stage: _Stage, cfg: LTDTrainConfig, train_source, val_traces, lat
             "seconds": time.perf_counter() - t0, "best": best}
 
 
-def _settings(cfg: LTDTrainConfig, fingerprints: dict) -> dict:
-    return settings_of(cfg, skip=("out", "threads", "eval_every"), extra={"fingerprints": fingerprints})
+def _settings(cfg: LTDTrainConfig, fingerprints: dict, family) -> dict:
+    extra = {"fingerprints": fingerprints}
+    if family is not None:
+        extra["family"] = family.describe()
+    return settings_of(cfg, skip=("out", "threads", "eval_every"), extra=extra)
+
+
+def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
+    """The fine-tune's starting pair, checked against the run's settings."""
+    folder = Path(cfg.init)
+    pair = {f"init-{k}": MLPPolicy.load(folder / k, kind=f"ltd-{k}") for k in ("depth", "size")}
+    for name, p in pair.items():
+        o = LTDObservation.from_dict(p.config.observation)
+        if (o.width, o.max_depth, o.use_costs) != (cfg.width, cfg.max_depth, cfg.costs):
+            raise ValueError(f"{folder}/{name[5:]}: the policy was trained with W={o.width}, max_depth={o.max_depth}, "
+                             f"costs={o.use_costs}; this run has W={cfg.width}, max_depth={cfg.max_depth}, "
+                             f"costs={cfg.costs}")
+    if list(pair["init-size"].config.actions) != list(cfg.sizes):
+        raise ValueError(f"{folder}/size chooses V from {pair['init-size'].config.actions}, this run from "
+                         f"{list(cfg.sizes)} (pass --sizes to match)")
+    return pair
 
 
 def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> TrainingResult:
@@ -321,56 +383,67 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     fps = traces[0].fingerprints if traces else {}
-    settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")})
+    family = cfg.latency_family(latency)
+    settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")}, family)
     pin_settings(out, settings, "an LTD run")
     train, val = split_traces(traces, cfg.val_fraction, cfg.seed)
-    source = live_source or SimSource(train, latency)
+    if live_source is not None and cfg.costs:
+        live_source.latency = latency
+    source = live_source or SimSource(train, latency, family=family)
+    val_latency = family.bases if family is not None else latency  # validation: the measured machines
+    policies: dict[str, MLPPolicy] = _init_pair(cfg) if cfg.init else {}
+    if policies:
+        obs = LTDObservation.from_dict(policies["init-depth"].config.observation)
+    else:
+        obs = cfg.observation(family.reference_costs() if cfg.costs and family is not None
+                              else cfg.observation().costs_of(latency))
     t_start = time.perf_counter()
     results: dict[str, dict] = {}
-    policies: dict[str, MLPPolicy] = {}
-    last_of = {"size": None, "depth": None}  # stage name of the latest policy of each kind
+    last_of = {"size": "init-size" if policies else None, "depth": "init-depth" if policies else None}
     for name in cfg.stages():
         kind = "size" if name.endswith("size") else "depth"
         other = "depth" if kind == "size" else "size"
         partner = policies[last_of[other]] if name.startswith("iter") else None
-        stage = _Stage(name, cfg, partner)
+        stage = _Stage(name, cfg, partner, obs)
         folder = out / name
         done = folder / "result.json"
         if done.exists() and (folder / "policy" / "config.json").exists():
             results[name] = json.loads(done.read_text())
         else:
-            init = out / last_of[kind] / "sb3_policy.safetensors" if last_of[kind] else None
-            results[name] = _run_stage(stage, cfg, source, val, latency, folder, init, progress)
+            prev = last_of[kind]
+            init = (policies[prev] if prev.startswith("init-") else out / prev / "sb3_policy.safetensors") \
+                if prev else None
+            results[name] = _run_stage(stage, cfg, source, val, val_latency, folder, init, progress)
             write_json(results[name], done)
         policies[name] = MLPPolicy.load(folder / "policy", kind=f"ltd-{kind}")
         last_of[kind] = name
 
     if cfg.only:
-        return _finish_single(cfg, out, settings, train, val, results, policies, latency, fps, t_start)
+        return _finish_single(cfg, out, settings, train, val, results, policies, val_latency, fps, t_start, obs)
     # Iter0..IterN: the pairs the co-adaptation went through, on validation
-    pairs = [("stage1-depth", "stage1-size")]
-    for name in cfg.stages()[2:]:
+    pairs = [("init-depth", "init-size") if cfg.init else ("stage1-depth", "stage1-size")]
+    for name in cfg.stages()[0 if cfg.init else 2:]:
         d, s = pairs[-1]
         pairs.append((name, s) if name.endswith("depth") else (d, name))
     table = []
     for i, (d, s) in enumerate(pairs):
-        ev = evaluate(LTDController(LTDConfig(width=cfg.width, depth=cfg.max_depth), depth_policy=policies[d],
-                                    size_policy=policies[s]), val, latency)
+        ev = evaluate(LTDController(LTDConfig(ar_fallback=False, width=cfg.width, depth=cfg.max_depth), depth_policy=policies[d],
+                                    size_policy=policies[s]), val, val_latency)
         table.append({"iteration": i, "depth_policy": d, "size_policy": s, **ev})
     best = max(table, key=lambda r: r["modelled_speedup"])
     export = out / "policy"
     for kind, stage_name in (("depth", best["depth_policy"]), ("size", best["size_policy"])):
         policies[stage_name].save(export / kind, training={
             "stage": stage_name, "iteration": best["iteration"], "val_modelled_speedup": best["modelled_speedup"],
-            "reward": cfg.reward, "traces_model": fps.get("model"), "traces_head": fps.get("head")})
-    baselines = {
-        "static-default": evaluate(StaticController(StaticConfig(cfg.width, min(8, cfg.max_depth), 60)), val,
-                                   latency),
-        "ltd-depth(stage1)": evaluate(_Stage("stage1-depth", cfg, None).controller(policies["stage1-depth"]), val,
-                                      latency),
-        "ltd-size(stage1)": evaluate(_Stage("stage1-size", cfg, None).controller(policies["stage1-size"]), val,
-                                     latency),
-    }
+            "reward": cfg.reward, "traces_model": fps.get("model"), "traces_head": fps.get("head"),
+            **({"family": settings["family"]} if family is not None else {}),
+            **({"init": cfg.init} if cfg.init else {})})
+    baselines = {"static-default": evaluate(StaticController(StaticConfig(cfg.width, min(8, cfg.max_depth), 60)),
+                                            val, val_latency)}
+    for kind in ("depth", "size") if not cfg.init else ():
+        name = f"stage1-{kind}"
+        baselines[f"ltd-{kind}(stage1)"] = evaluate(_Stage(name, cfg, None, obs).controller(policies[name]), val,
+                                                    val_latency)
     summary = {"settings": settings, "train_prompts": [t.key for t in train], "val_prompts": [t.key for t in val],
                "stages": results, "iterations": table, "chosen": best, "baselines_val": baselines,
                "train_seconds_this_run": time.perf_counter() - t_start,
@@ -378,10 +451,11 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     return TrainingResult.written(summary, out, export)
 
 
-def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start) -> TrainingResult:
+def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start,
+                   obs: LTDObservation) -> TrainingResult:
     """``only``: export the one stage-1 policy; summary with its validation next to the static default."""
     name = f"stage1-{cfg.only}"
-    stage = _Stage(name, cfg, None)
+    stage = _Stage(name, cfg, None, obs)
     ev = evaluate(stage.controller(policies[name]), val, latency)
     policies[name].save(out / "policy" / cfg.only, training={
         "stage": name, "val_modelled_speedup": ev["modelled_speedup"], "reward": cfg.reward,
