@@ -35,3 +35,5 @@ for setup in sorted((cache / "machines").glob("*/setup.json")):
         shutil.copy(setup.parent / f, dst / f)
     print(name, d["default_method"], d["static_tree"])
 PY
+# no machine paths in the results
+grep -rl "$cache" "$out" | xargs -r sed -i "s#$cache#\$ADAPTREE_CACHE#g"
