@@ -454,3 +454,63 @@ def test_radar_replays_live_on_traces():
 
         checks.append(replay_against_live(eng, make(), make(), prompt, tr, 20))
     assert_mostly_exact(checks)
+
+
+# ------------------------------------------------------------------ machine costs (issue 16)
+
+
+def test_a_cost_aware_radar_policy_learns_both_machines():
+    """The same cycles on a machine with cheap draft steps (continuing pays on confident cycles) and one where a
+    draft step costs five verifications (stopping at once always pays): one policy that sees the costs learns
+    both rules; the scores alone cannot tell them apart."""
+    from adaptree.offline.family import cost_features
+    from adaptree.offline.latency import LatencyModel
+
+    ep, _ = synthetic_episodes(n=800)
+    cfg = RadarTrainConfig(t_fixed=1.0, t_draft=0.2)
+    parts = []
+    for lat in (LatencyModel(draft=[0.2, 0, 0, 0], verify=[1.0, 0, 0, 0]),
+                LatencyModel(draft=[5.0, 0, 0, 0], verify=[1.0, 0, 0, 0])):
+        t = cycle_times(np.full((len(ep), ep.depth), 10), np.zeros(len(ep), int), 3, cfg, lat)
+        costs = torch.tensor([cost_features(lat, 3)], dtype=torch.float32).expand(len(ep), -1)
+        parts.append(Episodes(ep.scores, ep.dist, torch.tensor(t), ep.tokens, ar=torch.ones(len(ep), dtype=torch.float64),
+                              costs=costs))
+    both = Episodes.cat(parts)
+    torch.manual_seed(0)
+    pol = RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=32, dropout=0.0, cost_features=True))
+    opt = torch.optim.Adam(pol.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        loss, _ = reinforce_loss(pol, both, torch.randint(0, len(both), (128,), generator=gen), 0.0, 1.0, 0.99, "mean",
+                                 True, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    cheap, dear = (evaluate_policy(pol, p) for p in parts)
+    assert dear["calls"] < 1.2 and cheap["calls"] > 2.5
+    for p, got in zip(parts, (cheap, dear)):
+        assert got["throughput"] >= 0.97 * static_baselines(p)["oracle_per_cycle"]["throughput"]
+    with pytest.raises(ValueError, match="latency model"):
+        pol(ep.scores[:2, :-1])  # no costs and no reference costs
+
+
+def test_train_radar_over_a_latency_family(flat_pair, tmp_path):
+    from adaptree.offline.latency import LatencyModel
+
+    target, head = flat_pair
+    store = RadarStore(tmp_path / "d", {"model": "m", "head": "h"}, SETTINGS)
+    store.record(Engine(target, head), [(f"p{i}", [x % 8 for x in p]) for i, p in enumerate(PROMPTS)], progress=False)
+    LatencyModel(draft=[0.01, 0, 0, 0], verify=[0.03, 0.001, 0, 0]).save(tmp_path / "a.json")
+    LatencyModel(draft=[0.001, 0, 0, 0], verify=[0.05, 0.0001, 0, 0]).save(tmp_path / "b.json")
+    s = train_radar(RadarTrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "r"), alphas=(0.0,), steps=10,
+                                     batch_size=16, hidden=8, eval_every=5, checkpoint_every=5, val_fraction=0.3,
+                                     latency=str(tmp_path / "a.json"), family=(str(tmp_path / "b.json"),), spread=1.5,
+                                     members=3, costs=True), progress=False)
+    assert s["chosen_by"] == "speedup" and len(s["family"]["bases"]) == 2
+    assert len(s["grid"]["0"]["per_machine"]) == 2 and s["train_cycles"] > 0
+    pol = RadarPolicy.load(tmp_path / "r" / "policy")
+    assert pol.config.cost_features and len(pol.config.reference_costs) == 5
+    ctl = make_controller("radar", policy=str(tmp_path / "r" / "policy"), width=3, latency=str(tmp_path / "b.json"))
+    assert ctl.costs is not None and ctl.gate.latency is not None
+    with pytest.raises(ValueError, match="latency model"):
+        RadarTrainConfig(t_fixed=1.0, t_draft=0.1, costs=True)

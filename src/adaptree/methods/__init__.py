@@ -136,7 +136,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ddd", DDDConfig, DDDController),
     Method("svip", SVIPConfig, SVIPController),
     Method("gammatune", GammatuneConfig, GammatuneController),
-    Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,)),
+    Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,), machine_options=("latency",)),
     Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
            machine_options=("latency", "depth_policy", "size_policy")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],

@@ -19,8 +19,10 @@ from typing import ClassVar
 
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape
+from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape
+from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep
+from adaptree.methods.ar_gate import ARGate
 
 @dataclass
 class RadarConfig(TreeShape):
@@ -39,6 +41,14 @@ class RadarConfig(TreeShape):
     """Sample the decision from the policy (the paper's released behaviour) instead of thresholding."""
     seed: int = 0
     """Seed of the stochastic decisions' generator (reset with every generation)."""
+    latency: str | None = None
+    """Latency model JSON of this machine: the cost features of a policy that sees them and the AR fallback's
+    costs (filled from the machine setup; without one, the policy's reference costs and no fallback)."""
+    ar_fallback: bool = True
+    """Take AR steps while RADAR's trees earn fewer tokens per modelled second than AR steps here, probing every
+    ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model)."""
+    probe_every: int = 8
+    """In AR mode, let RADAR draft one cycle in this many."""
 
     unset_depth: ClassVar[int] = 1
 
@@ -46,6 +56,8 @@ class RadarConfig(TreeShape):
         super().__post_init__()
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
 
 
 class RadarController(Controller):
@@ -74,18 +86,40 @@ class RadarController(Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.hc = None
         self.last_p_stop = float("nan")
+        self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
+        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        if cfg.latency:
+            from adaptree.offline.latency import load_checked
+
+            self.use_latency(load_checked(cfg.latency, quiet=True))
+
+    def use_latency(self, latency) -> None:
+        if self.policy.config.cost_features:
+            from adaptree.offline.family import cost_features
+
+            self.costs = self.policy.costs_tensor(cost_features(latency, self.config.width))
+        if self.gate is not None:
+            self.gate.latency = latency
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
         self.hc = None
+        if self.gate is not None:
+            self.gate.reset()
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.hc = None  # the LSTM state lives for one cycle
+        if self.gate is not None and self.gate.ar_step():
+            return AR_PLAN
         return self.plan
+
+    def end_cycle(self, record: CycleRecord) -> None:
+        if self.gate is not None:
+            self.gate.record(record)
 
     @torch.inference_mode()
     def continue_drafting(self, step: DraftStep) -> bool:
-        logits, self.hc = self.policy.step(step.beam_scores.float().cpu(), step.depth, self.hc)
+        logits, self.hc = self.policy.step(step.beam_scores.float().cpu(), step.depth, self.hc, self.costs)
         p_stop = float(torch.softmax(logits.float(), -1)[0])
         self.last_p_stop = p_stop
         if self.config.stochastic:

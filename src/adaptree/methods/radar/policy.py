@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from adaptree.offline.family import COST_FEATURES
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import dataclass_from_dict
 
@@ -46,6 +47,11 @@ class RadarModelConfig:
     """Cumulative log-probs below this are clamped to it (finite inputs)."""
     step_feature: bool = True
     """Append t / D_max to the MLP's state input."""
+    cost_features: bool = False
+    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES) to the MLP's state input
+    (issue 16)."""
+    reference_costs: list[float] | None = None
+    """The cost features assumed when no latency model is given (the training family's median)."""
 
     def __post_init__(self) -> None:
         for name in ("width", "max_depth", "hidden", "layers", "mlp_hidden"):
@@ -57,6 +63,15 @@ class RadarModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not self.score_floor < 0.0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
+        if self.reference_costs is not None:
+            self.reference_costs = [float(x) for x in self.reference_costs]
+            if len(self.reference_costs) != len(COST_FEATURES):
+                raise ValueError(f"reference_costs needs {len(COST_FEATURES)} values {COST_FEATURES}, got "
+                                 f"{self.reference_costs}")
+
+    @property
+    def n_costs(self) -> int:
+        return len(COST_FEATURES) if self.cost_features else 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "RadarModelConfig":
@@ -73,35 +88,55 @@ class RadarPolicy(nn.Module):
         super().__init__()
         self.config = c = config or RadarModelConfig()
         self.lstm = nn.LSTM(c.width, c.hidden, num_layers=c.layers, batch_first=True)
-        state = c.width + (1 if c.step_feature else 0)
+        state = c.width + (1 if c.step_feature else 0) + c.n_costs
         self.mlp = nn.Sequential(nn.Linear(c.hidden + state, c.mlp_hidden), nn.ReLU(), nn.Dropout(c.dropout),
                                  nn.Linear(c.mlp_hidden, 2))
 
-    def _inputs(self, scores: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def costs_tensor(self, costs) -> torch.Tensor:
+        """The cost features as a tensor (``[C]`` or ``[B, C]``; the reference costs when None); empty when the
+        policy does not use them."""
+        c = self.config
+        if not c.cost_features:
+            return torch.zeros(0)
+        if costs is None:
+            if c.reference_costs is None:
+                raise ValueError("this RADAR policy sees the machine's costs: give it a latency model (the machine "
+                                 "setup's, or --radar-latency PATH)")
+            costs = c.reference_costs
+        return torch.as_tensor(costs, dtype=torch.float32)
+
+    def _inputs(self, scores: torch.Tensor, steps: torch.Tensor, costs=None) -> tuple[torch.Tensor, torch.Tensor]:
         x = scores.float().clamp(min=self.config.score_floor)
         x = torch.nan_to_num(x, nan=self.config.score_floor)
+        parts = [x]
         if self.config.step_feature:
-            state = torch.cat([x, (steps.float() / self.config.max_depth)[..., None].expand(*x.shape[:-1], 1)], -1)
-        else:
-            state = x
-        return x, state
+            parts.append((steps.float() / self.config.max_depth)[..., None].expand(*x.shape[:-1], 1))
+        if self.config.cost_features:
+            k = self.costs_tensor(costs)
+            k = k[:, None, :] if k.dim() == 2 else k[None, None, :]
+            parts.append(k.expand(*x.shape[:-1], k.shape[-1]))
+        return x, torch.cat(parts, -1)
 
-    def forward(self, scores: torch.Tensor) -> torch.Tensor:
-        """``scores [B, T, W]`` (steps 1..T of a cycle) -> logits ``[B, T, 2]`` (LSTM from a zero state)."""
+    def forward(self, scores: torch.Tensor, costs=None) -> torch.Tensor:
+        """``scores [B, T, W]`` (steps 1..T of a cycle) and the cost features (``[C]``, ``[B, C]`` or None: the
+        reference ones) -> logits ``[B, T, 2]`` (LSTM from a zero state)."""
         b, t, _ = scores.shape
         steps = torch.arange(1, t + 1, device=scores.device).expand(b, t)
-        x, state = self._inputs(scores, steps)
+        x, state = self._inputs(scores, steps, costs)
         out, _ = self.lstm(x)
         return self.mlp(torch.cat([out, state], dim=-1))
 
-    def step(self, scores: torch.Tensor, step: int, hc: tuple[torch.Tensor, torch.Tensor] | None = None
-             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One decision: ``scores [W]`` at draft step ``step`` (1-based) and the LSTM state (None at the
-        start of a cycle) -> logits ``[2]`` and the new state. Same numbers as :meth:`forward` (one LSTM
-        cell by hand for a one-layer model: ~4x less call overhead than ``nn.LSTM`` on one position)."""
+    def step(self, scores: torch.Tensor, step: int, hc: tuple[torch.Tensor, torch.Tensor] | None = None,
+             costs: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One decision: ``scores [W]`` at draft step ``step`` (1-based), the LSTM state (None at the start of a
+        cycle) and the cost features (:meth:`costs_tensor`) -> logits ``[2]`` and the new state. Same numbers as
+        :meth:`forward` (one LSTM cell by hand for a one-layer model: ~4x less call overhead than ``nn.LSTM`` on
+        one position)."""
         c = self.config
         x = torch.nan_to_num(scores.float(), nan=c.score_floor).clamp(min=c.score_floor)
         state = torch.cat([x, x.new_tensor([step / c.max_depth])]) if c.step_feature else x
+        if c.cost_features:
+            state = torch.cat([state, costs if costs is not None else self.costs_tensor(None)])
         if c.layers == 1:
             if hc is None:
                 z = x.new_zeros(1, c.hidden)

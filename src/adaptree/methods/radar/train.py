@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from adaptree.methods.radar.policy import CONTINUE, STOP, RadarModelConfig, RadarPolicy
+from adaptree.offline.latency import LatencyModel
 from adaptree.offline.policy import load_strict
 from adaptree.offline.runs import (
     TrainingResult,
@@ -102,6 +103,17 @@ class RadarTrainConfig:
     """Validation (exact expected throughput) every this many updates."""
     checkpoint_every: int = 500
     """Checkpoint every this many updates (and at the end)."""
+    costs: bool = False
+    """The policy sees the machine's cost features (adaptree.offline.family; issue 16); needs a latency model."""
+    family: tuple[str, ...] = ()
+    """More measured latency models (JSON files) to train over, next to ``latency``: each training cycle is
+    replicated ``members`` times, each replica on a member drawn at random (perturbed by ``spread``); alpha is
+    chosen by the geometric mean of the validation speedups on the measured models."""
+    spread: float = 1.0
+    """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
+    drawn log-uniformly from [1/spread, spread] (1 = none)."""
+    members: int = 8
+    """Family members drawn per training cycle (with a family)."""
     seed: int = 0
     resume: bool = False
     """Continue the runs in ``out`` (refused if their settings differ)."""
@@ -142,6 +154,17 @@ class RadarTrainConfig:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        self.family = tuple(str(f) for f in self.family)
+        if not self.spread >= 1.0:
+            raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
+        if self.members < 1:
+            raise ValueError(f"members must be >= 1, got {self.members}")
+        if (self.costs or self.family or self.spread > 1.0) and self.latency is None:
+            raise ValueError("cost features and latency families need a latency model (latency=PATH)")
+
+    @property
+    def uses_family(self) -> bool:
+        return bool(self.family) or self.spread > 1.0
 
     def run_settings(self) -> dict:
         """What must match to resume (everything but the bookkeeping fields)."""
@@ -156,13 +179,21 @@ class RadarTrainConfig:
 @dataclass
 class Episodes:
     """Cycles as arrays: ``scores [N, D, W]``, ``dist [N, D, D+1]``, ``time [N, D]`` (seconds of a cycle
-    stopped at k), ``tokens [N, D]`` (expected acc + bonus at k)."""
+    stopped at k), ``tokens [N, D]`` (expected acc + bonus at k), ``ar [N]`` (seconds of one AR step at the cycle's
+    context: speeds times it read as speedups; ones without a latency model), ``costs [N, C]`` (the cost features
+    of each cycle's machine, or None)."""
 
     scores: torch.Tensor
     dist: torch.Tensor
     time: torch.Tensor
     tokens: torch.Tensor
     keys: list[str] = field(default_factory=list)
+    ar: torch.Tensor | None = None
+    costs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.ar is None:
+            self.ar = torch.ones(self.scores.shape[0], dtype=torch.float64)
 
     def __len__(self) -> int:
         return int(self.scores.shape[0])
@@ -172,7 +203,14 @@ class Episodes:
         return int(self.scores.shape[1])
 
     def subset(self, idx) -> "Episodes":
-        return Episodes(self.scores[idx], self.dist[idx], self.time[idx], self.tokens[idx])
+        return Episodes(self.scores[idx], self.dist[idx], self.time[idx], self.tokens[idx], ar=self.ar[idx],
+                        costs=None if self.costs is None else self.costs[idx])
+
+    @staticmethod
+    def cat(parts: list["Episodes"]) -> "Episodes":
+        costs = None if parts[0].costs is None else torch.cat([p.costs for p in parts])
+        return Episodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("scores", "dist", "time", "tokens")),
+                        [k for p in parts for k in p.keys], torch.cat([p.ar for p in parts]), costs)
 
 
 def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: RadarTrainConfig,
@@ -201,8 +239,15 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> E
     j = np.arange(dist.shape[-1], dtype=np.float64)
     tokens = (dist * j).sum(-1) + (1.0 if cfg.bonus else 0.0)
     keys = [r.key for r in records for _ in range(r.cycles)]
+    ar = costs = None
+    if latency is not None:
+        ar = torch.from_numpy(latency.verify_times(0, ctx.astype(np.float64)) + latency.other_s)
+        if cfg.costs:
+            from adaptree.offline.family import cost_features
+
+            costs = torch.tensor([cost_features(latency, width)], dtype=torch.float32).expand(len(keys), -1)
     return Episodes(torch.from_numpy(scores), torch.from_numpy(dist), torch.from_numpy(t), torch.from_numpy(tokens),
-                    keys)
+                    keys, ar, costs)
 
 
 def split_records(records, val_fraction: float, seed: int):
@@ -224,18 +269,28 @@ def stop_points(p_stop: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def evaluate_stops(ep: Episodes, k: torch.Tensor) -> dict:
-    """Exact expected metrics of the stop points ``k [N]`` (no sampling)."""
+    """Exact expected metrics of the stop points ``k [N]`` (no sampling); ``speedup`` = AR's time for the same
+    tokens over the cycles' time (with a latency model)."""
     idx = torch.arange(len(ep))
     tok, t = ep.tokens[idx, k], ep.time[idx, k]
-    return {"throughput": float(tok.sum() / t.sum()), "mean_speed": float((tok / t).mean()),
-            "tau": float(tok.mean()), "calls": float((k + 1).double().mean()), "cycles": len(ep)}
+    return {"throughput": float(tok.sum() / t.sum()), "speedup": float((tok * ep.ar).sum() / t.sum()),
+            "mean_speed": float((tok / t).mean()), "tau": float(tok.mean()), "calls": float((k + 1).double().mean()),
+            "cycles": len(ep)}
 
 
 @torch.no_grad()
-def evaluate_policy(policy: RadarPolicy, ep: Episodes, threshold: float = 0.5) -> dict:
+def evaluate_policy(policy: RadarPolicy, ep: Episodes | list[Episodes], threshold: float = 0.5) -> dict:
+    """:func:`evaluate_stops` of the policy's deterministic rule. On a list of episode sets (a family's measured
+    machines): the means over them, with ``speedup`` their geometric mean and ``per_machine`` each."""
+    if isinstance(ep, list):
+        rows = [evaluate_policy(policy, e, threshold) for e in ep]
+        out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        out["speedup"] = float(np.exp(np.mean(np.log([max(r["speedup"], 1e-12) for r in rows]))))
+        out["per_machine"] = [round(r["speedup"], 5) for r in rows]
+        return out
     was = policy.training
     policy.eval()
-    p_stop = torch.softmax(policy(ep.scores[:, :-1]), -1)[..., STOP]
+    p_stop = torch.softmax(policy(ep.scores[:, :-1], ep.costs), -1)[..., STOP]
     policy.train(was)
     return evaluate_stops(ep, stop_points(p_stop, threshold))
 
@@ -252,7 +307,7 @@ def reinforce_loss(policy: RadarPolicy, ep: Episodes, idx: torch.Tensor, alpha: 
                    baseline: str, bonus: bool, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
     """Sample one episode per cycle ``idx`` and return the REINFORCE loss with diagnostics."""
     d = ep.depth
-    logits = policy(ep.scores[idx, :-1])  # [B, D-1, 2]
+    logits = policy(ep.scores[idx, :-1], None if ep.costs is None else ep.costs[idx])  # [B, D-1, 2]
     logp = torch.log_softmax(logits, -1)
     b = idx.numel()
     with torch.no_grad():
@@ -264,7 +319,7 @@ def reinforce_loss(policy: RadarPolicy, ep: Episodes, idx: torch.Tensor, alpha: 
         taken = steps <= k[:, None]  # decisions actually taken (all D-1 at a forced stop)
         taken &= steps < d - 1
         acc = torch.multinomial(ep.dist[idx, k], 1, generator=gen).squeeze(1).double()
-        speed = (acc + (1.0 if bonus else 0.0)) / ep.time[idx, k]
+        speed = (acc + (1.0 if bonus else 0.0)) / ep.time[idx, k] * ep.ar[idx]  # x AR step: a speedup
         rewards = torch.zeros(b, d, dtype=torch.float64)  # column D-1 = the forced stop's terminal step
         rewards[:, :-1] = torch.where(taken & (actions == CONTINUE), -alpha, 0.0)
         rewards[torch.arange(b), k] += beta * speed
@@ -335,14 +390,16 @@ LOG_FIELDS = ("step", "lr", "loss", "return", "calls", "speed", "accepted", "val
               "val_tau", "elapsed_s")
 
 
-def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episodes, val: Episodes, width: int,
-                folder: Path, progress: bool = True) -> tuple[RadarPolicy, dict]:
+def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episodes, val: Episodes | list[Episodes],
+                width: int, folder: Path, progress: bool = True,
+                reference_costs: list[float] | None = None) -> tuple[RadarPolicy, dict]:
     """Train one policy for one alpha in ``folder`` (resuming a checkpoint there when ``cfg.resume``)."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout)
+    mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout,
+                            cost_features=cfg.costs, reference_costs=reference_costs)
     policy = RadarPolicy(mcfg)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -384,11 +441,7 @@ def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episode
 
 
 def load_latency(cfg: RadarTrainConfig):
-    if cfg.latency is None:
-        return None
-    from adaptree.offline.latency import LatencyModel
-
-    return LatencyModel.load(cfg.latency)
+    return None if cfg.latency is None else LatencyModel.load(cfg.latency)
 
 
 def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
@@ -410,8 +463,24 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     note = None
     if not va:
         va, note = tr, "no validation prompts (too few recorded): alpha chosen on the training cycles"
-    train = make_episodes(tr, cfg, st.width, latency)
-    val = make_episodes(va, cfg, st.width, latency)
+    family = reference = None
+    if cfg.uses_family:
+        from adaptree.offline.family import LatencyFamily
+
+        family = LatencyFamily([latency, *(LatencyModel.load(f) for f in cfg.family)], cfg.spread,
+                               ["main", *cfg.family])
+        rng = np.random.default_rng(cfg.seed)
+        train = Episodes.cat([make_episodes(tr, cfg, st.width, family.sample(rng)) for _ in range(cfg.members)])
+        val = [make_episodes(va, cfg, st.width, m) for m in family.bases]
+        reference = family.reference_costs() if cfg.costs else None
+    else:
+        train = make_episodes(tr, cfg, st.width, latency)
+        val = make_episodes(va, cfg, st.width, latency)
+        if cfg.costs:
+            from adaptree.offline.family import cost_features
+
+            reference = cost_features(latency, st.width)
+    score = "speedup" if family is not None else "throughput"
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = cfg.run_settings()
@@ -419,7 +488,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
         raise ValueError(f"{out} already holds a RADAR run; pass --resume to continue it or use another --out")
     pin_settings(out, settings, "a RADAR run", name="train_config.json")
     always = evaluate_stops(train, torch.full((len(train),), train.depth - 1, dtype=torch.long))
-    beta = cfg.beta if cfg.beta is not None else 1.0 / always["throughput"]
+    beta = cfg.beta if cfg.beta is not None else 1.0 / always["speedup"]
     results = {}
     for alpha in cfg.alphas:
         folder = out / f"alpha_{alpha:g}"
@@ -427,18 +496,20 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
         if cfg.resume and final_path.exists() and (folder / "policy" / "model.safetensors").exists():
             results[alpha] = json.loads(final_path.read_text())
             continue
-        _, final = train_alpha(cfg, alpha, beta, train, val, st.width, folder, progress)
+        _, final = train_alpha(cfg, alpha, beta, train, val, st.width, folder, progress, reference)
         write_json(final, final_path)
         results[alpha] = final
-    best = max(cfg.alphas, key=lambda a: (results[a]["throughput"], -a))
+    best = max(cfg.alphas, key=lambda a: (results[a][score], -a))
     chosen = RadarPolicy.load(out / f"alpha_{best:g}" / "policy")
     chosen.save(out / "policy", {"alpha": best, "beta": beta, "validation": results[best],
                                  "dataset_settings": st.to_dict(), "fingerprints": store.fingerprints, **settings})
     summary = {"data": str(cfg.data), "train_cycles": len(train), "val_cycles": len(val),
                "train_prompts": len(tr), "val_prompts": len(va) if note is None else 0, "note": note,
                "beta": beta, "chosen_alpha": best, "policy": str(out / "policy"),
-               "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "val_static": static_baselines(val),
-               "settings": settings, "dataset_settings": st.to_dict()}
+               "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "chosen_by": score,
+               "val_static": static_baselines(val if family is None else val[0]),
+               "settings": settings, "dataset_settings": st.to_dict(),
+               **({"family": family.describe()} if family is not None else {})}
     return TrainingResult.written(summary, out, out / "policy")
 
 
