@@ -356,7 +356,8 @@ def test_registry_and_cli_flags(tmp_path):
     assert build_controller(args, head=object()).config.policy == str(head_dir / "resps")
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "hi", "--method", "resps", "--resps-state", "sum"])
-    assert asdict(ReSpSConfig()) == {"policy": None, "interval": 30, "state": None, "temperature": None, "seed": 0}
+    assert asdict(ReSpSConfig()) == {"policy": None, "interval": 30, "state": None, "temperature": None, "seed": 0,
+                                     "latency": None, "ar_fallback": True, "probe_every": 8}
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -412,7 +413,7 @@ def test_training_pipeline_budget_resume_export_summary(train_traces, tmp_path):
     assert rows[1]["val_metric"] and rows[3]["val_metric"] and not rows[2]["val_metric"]
     assert float(rows[0]["entropy"]) == pytest.approx(np.log(len(TINY)), abs=0.05)  # starts near uniform
     # the export loads as --method resps and replays to the summary's numbers
-    c = make_controller("resps", policy=str(out / "policy"))
+    c = make_controller("resps", policy=str(out / "policy"), ar_fallback=False)  # the summary: the policy alone
     assert c.temperature == 0.0 and c.actions == TINY and c.state.dim == 3 * H
     assert c.config.interval == 30
     sim = simulate(c, val, LAT, measure_policy=False)
@@ -653,7 +654,7 @@ def test_training_on_the_embedding_state(train_traces, tmp_path, tiny_encoder):
         train_resps(cfg, source, validator, hidden=H, progress=False)
     s = train_resps(cfg, source, validator, hidden=H, progress=False, tokenizer=ToyTokenizer())
     assert s["training"]["timesteps"] == 128
-    c = make_controller("resps", policy=str(out / "policy"), tokenizer=ToyTokenizer())
+    c = make_controller("resps", policy=str(out / "policy"), tokenizer=ToyTokenizer(), ar_fallback=False)
     assert c.state.state == "embedding" and c.state.dim == 16 and c.state.encoder == str(tiny_encoder)
     sim = simulate(c, val, LAT, measure_policy=False)
     assert sim.speedup == pytest.approx(s["resps"]["resps N=30"]["modelled_speedup"], rel=1e-9)

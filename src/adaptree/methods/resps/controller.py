@@ -43,12 +43,15 @@ from pathlib import Path
 import torch
 
 from adaptree.core.controller import (
+    AR_PLAN,
     MAX_DEPTH,
     MAX_WIDTH,
     Controller,
     CycleContext,
     TreePlan,
 )
+from adaptree.core.records import CycleRecord
+from adaptree.methods.ar_gate import ARGate
 
 RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
 """TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
@@ -227,8 +230,18 @@ class ReSpSConfig:
     training recorded (``inference_temperature``; 0 when absent)."""
     seed: int = 0
     """Seed of the action-sampling generator (reset at every generation)."""
+    latency: str | None = None
+    """Latency model JSON of this machine: the AR fallback's costs (filled from the machine setup; without one, no
+    fallback)."""
+    ar_fallback: bool = True
+    """Take AR steps while the policy's trees earn fewer tokens per modelled second than AR steps here, probing
+    every ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model)."""
+    probe_every: int = 8
+    """In AR mode, let the policy's tree run one cycle in this many."""
 
     def __post_init__(self) -> None:
+        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if int(self.interval) < 1:
             raise ValueError(f"interval (--resps-interval) must be >= 1, got {self.interval}")
         self.interval = int(self.interval)
@@ -287,16 +300,33 @@ class ReSpSController(Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
+        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        if cfg.latency:
+            from adaptree.offline.latency import load_checked
+
+            self.use_latency(load_checked(cfg.latency, quiet=True))
         self.reset()
+
+    def use_latency(self, latency) -> None:
+        if self.gate is not None:
+            self.gate.latency = latency
+
+    def end_cycle(self, record: CycleRecord) -> None:
+        if self.gate is not None:
+            self.gate.record(record)
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
+        if self.gate is not None:
+            self.gate.reset()
         self.left = 0
         self.plan: TreePlan | None = None
         self.decisions: list[tuple[int, int]] = []
         """(cycle, action index) of every decision of the current generation."""
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        if self.gate is not None and self.gate.ar_step():
+            return AR_PLAN
         if self.left <= 0 or self.plan is None:
             a = self.policy.act(self.observe(ctx), self.temperature, self.gen)
             self.plan = self.plans[a]

@@ -204,7 +204,7 @@ class ReSpSTrainConfig:
 
     def controller(self, policy: MLPPolicy, interval: int | None = None, tokenizer=None) -> ReSpSController:
         """The inference controller of ``policy`` (validation interval and temperature, fixed seed)."""
-        return ReSpSController(ReSpSConfig(interval=interval or self.val_interval,
+        return ReSpSController(ReSpSConfig(ar_fallback=False, interval=interval or self.val_interval,
                                            temperature=self.inference_temperature, seed=self.seed), policy=policy,
                                tokenizer=tokenizer)
 
