@@ -3,12 +3,22 @@ tokens per modelled second than autoregressive steps would on this machine.
 
 A learned depth/V policy always drafts and verifies a tree; on a machine where no tree pays (a CPU where a
 verified node costs nearly a whole step, a weak head) it is slower than plain decoding whatever it chooses. The
-gate watches the cycles the policy drafts: the exponential moving averages (weight ``smoothing``) of their
-emitted tokens and of their modelled seconds (the latency model's time of the cycle's W, depth, V and context,
-as :mod:`~adaptree.methods.costaware` does: deterministic, the same live and in replay) give the policy's
-throughput; once ``min_cycles`` drafted cycles put it below the autoregressive rate ``1 / (verify(0, L) +
-other_s)``, cycles become AR steps, except every ``probe_every``-th, which lets the policy draft again; the
-probes enter the averages, and AR mode ends when they lift the policy's throughput back over the AR rate.
+gate watches the cycles the policy drafts:
+
+* **Estimate.** Moving averages of their emitted tokens and of their modelled seconds (the latency model's time
+  of the cycle's W, depth, V and context, as :mod:`~adaptree.methods.costaware` does: deterministic, the same live
+  and in replay; a plain mean over the first ``1/smoothing`` cycles, then weight ``smoothing``) give the policy's
+  throughput.
+* **Closing.** Once ``min_cycles`` drafted cycles put it below the autoregressive rate ``1 / (verify(0, L) +
+  other_s)``, cycles become AR steps.
+* **Probes.** After ``interval`` AR steps the policy drafts one cycle again; probes enter the averages, AR mode
+  ends when they lift the throughput back over the AR rate, and each probe that does not doubles the interval.
+  Intervals are counted in units of the probe's price: ``probe_every`` (up to ``max_probe_every``) times the cost of
+  the policy's smallest tree in AR steps, so a probe never costs more than about ``1/probe_every`` of the time.
+* **Hopeless machines.** A generation starts in AR mode, at the longest interval, where even the policy's smallest
+  tree cannot pay at any depth (:meth:`ARGate.hopeless`: its path accepted level after level with probability
+  ``optimistic`` earns less than AR steps).
+
 Without a latency model the gate never closes.
 """
 
@@ -20,26 +30,65 @@ from adaptree.core.records import CycleRecord
 class ARGate:
     """See the module docstring."""
 
-    def __init__(self, probe_every: int = 8, smoothing: float = 0.1, min_cycles: int = 4) -> None:
-        if probe_every < 1 or min_cycles < 1 or not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"need probe_every >= 1, min_cycles >= 1 and smoothing in (0, 1], got {probe_every}, "
-                             f"{min_cycles}, {smoothing}")
+    def __init__(self, probe_every: int = 8, smoothing: float = 0.05, min_cycles: int = 8,
+                 max_probe_every: int = 64, optimistic: float = 0.8) -> None:
+        if probe_every < 1 or min_cycles < 1 or not 0.0 < smoothing <= 1.0 or max_probe_every < probe_every:
+            raise ValueError(f"need probe_every >= 1, min_cycles >= 1, smoothing in (0, 1] and max_probe_every >= "
+                             f"probe_every, got {probe_every}, {min_cycles}, {smoothing}, {max_probe_every}")
+        if not 0.0 <= optimistic <= 1.0:
+            raise ValueError(f"optimistic must be a probability in [0, 1], got {optimistic}")
         self.probe_every, self.smoothing, self.min_cycles = int(probe_every), float(smoothing), int(min_cycles)
+        self.max_probe_every, self.optimistic = int(max_probe_every), float(optimistic)
         self.latency = None
         self.reset()
 
     def reset(self) -> None:
+        """A new generation: the averages start again."""
         self.tokens = self.seconds = 0.0
         self.drafted = 0  # drafted cycles in the averages
         self.ar_mode = False
         self.ar_cycles = 0
+        self.price = 1.0  # AR steps one probe costs (the smallest tree's cycle time over an AR step)
+        self.interval = float(self.probe_every)  # AR steps between probes
+        self.first = True
 
-    def ar_step(self) -> bool:
-        """At the start of a cycle: take an AR step instead of the policy's tree?"""
+    def _ratio(self, width: int, depth: int, size: int, context_len: int) -> float:
+        """A tree's cycle time (``depth`` draft steps, ``size`` nodes) over one AR step."""
+        lat = self.latency
+        t_ar = lat.verify_time(0, context_len) + lat.other_s
+        return lat.cycle_time(width, depth, size, context_len) / max(t_ar, 1e-12)
+
+    def hopeless(self, width: int, size: int, max_depth: int, context_len: int) -> bool:
+        """No tree of ``size`` nodes and depth 1..``max_depth`` pays even if its path is accepted level after level
+        with probability ``optimistic`` each (expected tokens ``1 + o + o^2 + ...`` up to min(depth, size) levels);
+        False without a latency model."""
+        if self.latency is None:
+            return False
+        gain = 1.0
+        for d in range(1, max_depth + 1):
+            if d <= size:
+                gain += self.optimistic ** d
+            if gain > self._ratio(width, d, size, context_len):
+                return False
+        return True
+
+    def ar_step(self, width: int, size: int, max_depth: int, context_len: int) -> bool:
+        """At the start of a cycle whose smallest tree has width ``width``, ``size`` nodes and at most ``max_depth``
+        levels: an AR step instead of the policy's tree?"""
+        if self.first:
+            self.first = False
+            if self.latency is not None:
+                self.price = max(1.0, self._ratio(width, 1, size, context_len))
+                self.interval = self.probe_every * self.price
+                if self.hopeless(width, size, max_depth, context_len):
+                    self.ar_mode, self.interval = True, self.max_probe_every * self.price
         if not self.ar_mode:
             return False
         self.ar_cycles += 1
-        return self.ar_cycles % self.probe_every != 0
+        if self.ar_cycles < self.interval:
+            return True
+        self.ar_cycles = 0
+        return False
 
     def record(self, rec: CycleRecord) -> None:
         """After a cycle: update the averages with a drafted cycle, decide on AR mode."""
@@ -48,12 +97,15 @@ class ARGate:
             return
         t = lat.cycle_time(rec.width, rec.depth, rec.size, rec.context_len)
         ar_rate = 1.0 / max(lat.verify_time(0, rec.context_len) + lat.other_s, 1e-12)
-        a = self.smoothing if self.drafted else 1.0
+        a = max(self.smoothing, 1.0 / (self.drafted + 1))  # a plain mean over the first 1/smoothing cycles
         self.tokens += a * (rec.accepted + 1 - self.tokens)
         self.seconds += a * (t - self.seconds)
         self.drafted += 1
         slower = self.tokens < ar_rate * self.seconds
-        if self.ar_mode and not slower:  # a probe lifted the average back over the AR rate
-            self.ar_mode = False
-        elif not self.ar_mode and slower and self.drafted >= self.min_cycles:
+        if self.ar_mode:  # a probe: it lifted the average back over the AR rate, or the next one waits longer
+            if slower:
+                self.interval = min(2 * self.interval, self.max_probe_every * self.price)
+            else:
+                self.ar_mode, self.interval = False, self.probe_every * self.price
+        elif slower and self.drafted >= self.min_cycles:
             self.ar_mode, self.ar_cycles = True, 0

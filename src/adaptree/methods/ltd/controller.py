@@ -256,6 +256,7 @@ class LTDController(Controller):
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
         self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
         if cfg.latency:
             from adaptree.offline.latency import load_checked
 
@@ -274,7 +275,9 @@ class LTDController(Controller):
             self.gate.reset()
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        if self.gate is not None and self.gate.ar_step():
+        plan, gate = self.plan, self.gate
+        if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
+                                                                          ctx.context_len):
             return AR_PLAN
         return self.plan
 

@@ -88,6 +88,7 @@ class RadarController(Controller):
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
         self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
         if cfg.latency:
             from adaptree.offline.latency import load_checked
 
@@ -109,7 +110,9 @@ class RadarController(Controller):
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.hc = None  # the LSTM state lives for one cycle
-        if self.gate is not None and self.gate.ar_step():
+        plan, gate = self.plan, self.gate
+        if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
+                                                                          ctx.context_len):
             return AR_PLAN
         return self.plan
 

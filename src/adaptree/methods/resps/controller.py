@@ -301,6 +301,8 @@ class ReSpSController(Controller):
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
         self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        cheapest = min(self.plans, key=lambda p: (p.size, p.width))
+        self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
         if cfg.latency:
             from adaptree.offline.latency import load_checked
 
@@ -325,7 +327,8 @@ class ReSpSController(Controller):
         """(cycle, action index) of every decision of the current generation."""
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        if self.gate is not None and self.gate.ar_step():
+        gate = self.gate
+        if gate is not None and gate.latency is not None and gate.ar_step(*self.smallest, ctx.context_len):
             return AR_PLAN
         if self.left <= 0 or self.plan is None:
             a = self.policy.act(self.observe(ctx), self.temperature, self.gen)
