@@ -200,7 +200,7 @@ def test_continue_drafting_compares_the_predicted_level_with_a_draft_step(step_s
 
 
 def test_ar_mode_is_entered_when_trees_do_not_pay_and_left_after_a_good_probe():
-    ctl = controller(probe_every=3, smoothing=1.0)
+    ctl = controller(probe_every=3, max_probe_every=3, smoothing=1.0)
     plan = ctl.begin_cycle(ctx())
     assert plan.max_depth == 4
     ctl.choose_size(FakeTree([-9.0, -8.5]), plan)  # nothing pays: advantage = -lambda * draft step < 0
@@ -307,7 +307,7 @@ def summary(sim):
 
 
 def test_dear_verification_gives_ar_steps(traces, cal):
-    ctl = CostAwareController(CostAwareConfig(width=8, probe_every=4), DEAR, cal)
+    ctl = CostAwareController(CostAwareConfig(width=8, probe_every=4, max_probe_every=4), DEAR, cal)
     sim = simulate(ctl, traces, DEAR, measure_policy=False)
     cyc, ar_share = summary(sim)
     assert ar_share >= 0.7 and all(c.size == 0 for c in cyc)
@@ -315,6 +315,14 @@ def test_dear_verification_gives_ar_steps(traces, cal):
         drafted = [c.cycle for c in run.cycles if c.depth > 0]
         assert drafted == list(range(0, len(run.cycles), 4))
     assert sim.speedup > 0.95
+    # with the default backoff, each failed probe doubles the interval: 4, 8, 16, ... cycles apart
+    ctl = CostAwareController(CostAwareConfig(width=8, probe_every=4, max_probe_every=16), DEAR, cal)
+    backoff = simulate(ctl, traces, DEAR, measure_policy=False)
+    for run in backoff.runs:
+        drafted = [c.cycle for c in run.cycles if c.depth > 0]
+        gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+        assert gaps == [4, 8, 16, 16, 16, 16, 16, 16][:len(gaps)]
+    assert backoff.speedup >= sim.speedup
 
 
 def test_cheap_verification_gives_big_trees(traces, cal):

@@ -37,7 +37,8 @@ node whose path is accepted: exactly the nodes of the accepted path).
   the one-step look-ahead rule of optimal stopping for such monotone problems. Depth is capped by
   ``max_depth`` through the plan.
 * ``begin_cycle``: ``TreePlan(width, max_depth, max_size)``, or an autoregressive step ``TreePlan(1, 0, 0)``
-  (no drafting) in AR mode, except every ``probe_every``-th AR-mode cycle, which drafts to re-check. The
+  (no drafting) in AR mode, except every ``probe_every``-th AR-mode cycle, which drafts to re-check (each probe
+  that finds no tree paying doubles that interval, up to ``max_probe_every``). The
   *predicted advantage* of a drafted cycle over an AR step at the same ``lambda`` is
   ``[1 + sum_{top V*} p - lambda*(depth*draft_step + verify(V*) + other_s)] - [1 - lambda*(verify(0) + other_s)]``;
   AR mode is entered when its exponential moving average (weight ``smoothing``, started at the first value)
@@ -82,6 +83,8 @@ class CostAwareConfig:
     """Acceptance calibration JSON of this model and head (AcceptanceCalibration.fit on greedy traces)."""
     probe_every: int = 8
     """In AR mode, draft one cycle in this many to re-check whether a tree pays."""
+    max_probe_every: int = 64
+    """Each probe that finds no tree paying doubles that interval, up to this many cycles."""
     smoothing: float = 0.1
     """Weight of the newest cycle in the moving averages (throughput estimate, predicted tree advantage)."""
     timing: str = "model"
@@ -93,6 +96,9 @@ class CostAwareConfig:
         check_shape(self.width, self.max_depth, self.max_size, "max_depth")
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if int(self.max_probe_every) != self.max_probe_every or self.max_probe_every < self.probe_every:
+            raise ValueError(f"max_probe_every must be an integer >= probe_every ({self.probe_every}), got "
+                             f"{self.max_probe_every!r}")
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if self.timing not in TIMINGS:
@@ -142,7 +148,8 @@ class CostAwareController(Controller):
         self.rate = 0.0  # lambda: tokens per second
         self.advantage: float | None = None  # EMA of the predicted advantage of a tree over an AR step
         self.ar_mode = False
-        self.ar_cycles = 0  # cycles begun in AR mode since entering it
+        self.ar_cycles = 0  # AR steps since entering AR mode or since the last probe
+        self.interval = int(self.config.probe_every)  # AR steps before the next probe
         self.probing = False
         self.last_size = 0
         self.last_expected = 1.0  # predicted emitted tokens of the last drafted cycle
@@ -166,9 +173,9 @@ class CostAwareController(Controller):
         self.probing = False
         if self.ar_mode:
             self.ar_cycles += 1
-            if self.ar_cycles % int(cfg.probe_every):
+            if self.ar_cycles < self.interval:
                 return AR_PLAN
-            self.probing = True
+            self.ar_cycles, self.probing = 0, True
         return self.plan
 
     def _probs(self, tree: DraftTree, limit: int) -> np.ndarray:
@@ -207,7 +214,9 @@ class CostAwareController(Controller):
         beta = self.config.smoothing
         if self.probing:
             if adv > 0:
-                self.ar_mode, self.advantage = False, adv
+                self.ar_mode, self.advantage, self.interval = False, adv, int(self.config.probe_every)
+            else:
+                self.interval = min(2 * self.interval, int(self.config.max_probe_every))
         else:
             self.advantage = adv if self.advantage is None else (1 - beta) * self.advantage + beta * adv
             if self.advantage < 0:
