@@ -7,7 +7,7 @@ prompts, the mean depth and V each chose, and the ratio to the best static tree 
 (the grid's best on these very traces). Writes JSON and a Markdown table.
 
     python scripts/transfer_table.py --traces runs/s16/eval-traces --acceptance ACCEPTANCE.json \
-        --ltd name=FOLDER ... --out docs/results/machines/transfer
+        --ltd name=FOLDER ... --radar FOLDER --out docs/results/machines/transfer
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--profiles", default="docs/results/machines", help="folder of profile folders")
     ap.add_argument("--acceptance", required=True, help="costaware's acceptance calibration (fitted on other traces)")
     ap.add_argument("--ltd", action="append", default=[], help="NAME=FOLDER of an LTD pair (depth/, size/)")
+    ap.add_argument("--radar", default=None, help="a RADAR policy folder")
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
     args = ap.parse_args()
 
@@ -48,8 +49,14 @@ def main() -> None:
         }
         for spec in args.ltd:
             name, folder = spec.split("=", 1)
-            methods[name] = make_controller("ltd", depth_policy=f"{folder}/depth", size_policy=f"{folder}/size",
-                                            latency=str(prof / "latency.json"))
+            for gate in (True, False):
+                methods[name + ("" if gate else " without AR fallback")] = make_controller(
+                    "ltd", depth_policy=f"{folder}/depth", size_policy=f"{folder}/size",
+                    latency=str(prof / "latency.json"), ar_fallback=gate)
+        if args.radar:
+            for gate in (True, False):
+                methods["radar" + ("" if gate else " without AR fallback")] = make_controller(
+                    "radar", policy=args.radar, latency=str(prof / "latency.json"), ar_fallback=gate)
         best_ctl = make_controller("static", width=best.width, depth=best.depth, size=best.size)
         best_res = simulate(best_ctl, traces, lat, measure_policy=False)
         best_speed = ratio_of_sums([r.ar_s for r in best_res.runs], [r.total_s for r in best_res.runs])
@@ -66,7 +73,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"traces": args.traces, "prompts": [t.key for t in traces], "profiles": [p.name for p in profiles],
-            "ltd": args.ltd}
+            "ltd": args.ltd, "radar": args.radar}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     lines = ["| profile | method | modelled speedup vs AR [95% CI] | vs best static | tau | depth | V |",
              "|---|---|---|---|---|---|---|"]

@@ -124,3 +124,27 @@ def test_adapt_config_rejects_bad_values():
         AdaptConfig(methods=("ar", "nope"))
     with pytest.raises(ValueError, match="must include 'ar'"):
         AdaptConfig(methods=("static",))
+
+
+def test_learned_methods_take_this_machines_latency_and_retrained_policies(models, cache):
+    """LTD gets this machine's latency model from the setup (its AR fallback and cost features), and a pair that
+    ``adaptree train ltd --machine`` exported into the setup folder replaces the one next to the head."""
+    import shutil
+
+    from adaptree.adapt.setup import MACHINE_POLICIES, machine_assets
+    from test_ltd import W, random_policy
+
+    p = _pipeline(models)
+    p.machine, _ = _adapt(p)
+    assert set(MACHINE_POLICIES).isdisjoint(p.machine.assets)  # nothing retrained yet
+    for kind in ("depth", "size"):
+        random_policy(kind, 1).save(cache / "elsewhere" / kind)
+        shutil.copytree(cache / "elsewhere" / kind, p.machine.folder / MACHINE_POLICIES[f"{kind}_policy"])
+    assets = machine_assets(p.machine.folder, p.machine.acceptance_path)
+    assert assets["depth_policy"].endswith("ltd/depth") and assets["size_policy"].endswith("ltd/size")
+    ctl = p.controller("ltd", width=W, depth=6)
+    assert ctl.config.depth_policy == assets["depth_policy"] and ctl.config.latency == assets["latency"]
+    assert ctl.gate is not None and ctl.gate.latency is not None
+    # an explicit policy still wins over the machine's
+    ctl = p.controller("ltd", width=W, depth=6, depth_policy=str(cache / "elsewhere" / "depth"))
+    assert ctl.config.depth_policy == str(cache / "elsewhere" / "depth")

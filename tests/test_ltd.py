@@ -442,8 +442,9 @@ def test_a_cost_aware_size_policy_learns_both_machines_of_its_family(traces, tmp
 
 
 def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models, traces):
-    """On a machine where no tree pays (each verified node costs 1/8 of a step, a draft step 1/5): the gate turns the policy's cycles
-    into AR steps (probing now and then) and the run is near AR speed; where trees pay it costs little."""
+    """On a machine where no tree pays (each verified node costs 1/8 of a step, a draft step 1/5): the gate turns
+    the policy's cycles into AR steps (probing now and then) and the run is near AR speed; where trees pay it costs
+    little."""
     from adaptree.methods.ar_gate import ARGate
 
     dear = LatencyModel(draft=[0.006, 0.0, 0.0, 0.0], verify=[0.026, 0.004, 0.0, 0.0], other_s=0.0)

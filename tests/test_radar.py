@@ -473,8 +473,8 @@ def test_a_cost_aware_radar_policy_learns_both_machines():
                 LatencyModel(draft=[5.0, 0, 0, 0], verify=[1.0, 0, 0, 0])):
         t = cycle_times(np.full((len(ep), ep.depth), 10), np.zeros(len(ep), int), 3, cfg, lat)
         costs = torch.tensor([cost_features(lat, 3)], dtype=torch.float32).expand(len(ep), -1)
-        parts.append(Episodes(ep.scores, ep.dist, torch.tensor(t), ep.tokens, ar=torch.ones(len(ep), dtype=torch.float64),
-                              costs=costs))
+        parts.append(Episodes(ep.scores, ep.dist, torch.tensor(t), ep.tokens,
+                              ar=torch.ones(len(ep), dtype=torch.float64), costs=costs))
     both = Episodes.cat(parts)
     torch.manual_seed(0)
     pol = RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=32, dropout=0.0, cost_features=True))

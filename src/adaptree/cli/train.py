@@ -154,8 +154,8 @@ def _train_ltd_machine(args, overrides: dict) -> int:
                                       "out": args.out if args.out != default["out"] else str(setup.folder / "ltd-run")})
     prompts = _prompt_flags().build(args)
     if prompts.traces is None:  # machine-independent: one folder per model and head, reused by every machine
-        prompts.traces = str(traces_dir() / f"{model_fingerprint(pipeline.target)[:16]}-"
-                                            f"{head_fingerprint(pipeline.head)[:16]}-ltd")
+        prompts = dataclasses.replace(prompts, traces=str(
+            traces_dir() / f"{model_fingerprint(pipeline.target)[:16]}-{head_fingerprint(pipeline.head)[:16]}-ltd"))
     s = train_ltd_for(pipeline, cfg, LatencyModel.load(setup.latency_path), prompts, progress=not args.quiet)
     for option, sub in MACHINE_POLICIES.items():
         dst = setup.folder / sub

@@ -141,7 +141,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            machine_options=("latency", "depth_policy", "size_policy")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],
            machine_options=("latency", "depth_policy")),
-    Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"], machine_options=("latency", "size_policy")),
+    Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"],
+           machine_options=("latency", "size_policy")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True, machine_options=("latency",)),
 )}
 """Method name -> registry entry, in the order the docs list them."""

@@ -293,6 +293,6 @@ class LTDController(Controller):
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:
             return plan.size
-        head, tail = self.size_obs.size_parts(tree, self.size_costs)  # most of the input is padding: skip multiplying it
+        head, tail = self.size_obs.size_parts(tree, self.size_costs)  # mostly padding: skip multiplying it
         return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
                                                       tail)]

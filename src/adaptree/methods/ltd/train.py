@@ -12,7 +12,15 @@ iter2-depth     π_D     π_V of iter1-size, frozen                             
 iter3-size      π_V     π_D of iter2-depth, frozen                                    ltd (both)
 ==============  ======  =========================================================  ======================
 
-Iteration k starts from the policy (actor and critic) the previous stage of the same kind ended with.
+Iteration k starts from the policy (actor and critic) the previous stage of the same kind ended with. With
+``init`` (a fine-tune, e.g. ``adaptree train ltd --machine``) only the iterations run, the first of each kind
+starting from the init pair's actor (a fresh critic), and Iter0 is the init pair itself.
+
+Machines (issue 16): with ``costs`` the observations end with the cost features of the latency model
+(:mod:`adaptree.offline.family`); with ``family``/``spread`` every generation of the simulator runs on a member
+of a :class:`~adaptree.offline.family.LatencyFamily` drawn for it (rewards are speedups over that member's AR
+step), and validation is the geometric mean of the speedups on the family's measured models. Controllers
+evaluated here run without the AR fallback (the policies alone).
 Every ``eval_every`` rollouts (and at the end) the current actor is extracted as a plain
 :class:`~adaptree.rl.policy.MLPPolicy` and replayed on the validation traces (prompts never trained on)
 by the simulator; the stage keeps the checkpoint with the best modelled speedup. Then Iter0..Iter3
@@ -197,6 +205,13 @@ def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list
     return split_by_key(traces, val_fraction, seed, key=lambda t: t.key, both="LTD training needs at least 2 traces")
 
 
+def _ltd(cfg: LTDTrainConfig, depth_policy: MLPPolicy | None = None, size_policy: MLPPolicy | None = None,
+         **shape) -> LTDController:
+    """An LTD controller of in-memory policies, as training evaluates it: the policies alone (no AR fallback)."""
+    return LTDController(LTDConfig(width=cfg.width, ar_fallback=False, **shape), depth_policy=depth_policy,
+                         size_policy=size_policy)
+
+
 class _Stage:
     """One PPO run; what it learns, against what, and how it is validated."""
 
@@ -225,23 +240,21 @@ class _Stage:
         if self.kind == "size":
             if self.partner is None:
                 return RandomDepthController(rng, c.width, 1, c.max_depth, c.fixed_size)
-            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, mode="depth"), depth_policy=self.partner)
+            return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner)
         if self.partner is None:
             return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
-        return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, mode="size"), size_policy=self.partner)
+        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner)
 
     def controller(self, policy: MLPPolicy) -> LTDController:
         """How the stage's policy is validated (see the module docstring)."""
         c = self.cfg
         if self.kind == "size":
             if self.partner is None:
-                return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.fixed_depth, mode="size"), size_policy=policy)
-            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth), depth_policy=self.partner,
-                                 size_policy=policy)
+                return _ltd(c, depth=c.fixed_depth, mode="size", size_policy=policy)
+            return _ltd(c, depth=c.max_depth, depth_policy=self.partner, size_policy=policy)
         if self.partner is None:
-            return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth, size=c.fixed_size, mode="depth"),
-                                 depth_policy=policy)
-        return LTDController(LTDConfig(ar_fallback=False, width=c.width, depth=c.max_depth), depth_policy=policy, size_policy=self.partner)
+            return _ltd(c, depth=c.max_depth, size=c.fixed_size, mode="depth", depth_policy=policy)
+        return _ltd(c, depth=c.max_depth, depth_policy=policy, size_policy=self.partner)
 
     def make_env(self, source, seed: int):
         c, obs = self.cfg, self.obs
@@ -427,8 +440,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         pairs.append((name, s) if name.endswith("depth") else (d, name))
     table = []
     for i, (d, s) in enumerate(pairs):
-        ev = evaluate(LTDController(LTDConfig(ar_fallback=False, width=cfg.width, depth=cfg.max_depth), depth_policy=policies[d],
-                                    size_policy=policies[s]), val, val_latency)
+        ev = evaluate(_ltd(cfg, policies[d], policies[s], depth=cfg.max_depth), val, val_latency)
         table.append({"iteration": i, "depth_policy": d, "size_policy": s, **ev})
     best = max(table, key=lambda r: r["modelled_speedup"])
     export = out / "policy"
