@@ -183,10 +183,11 @@ class LTDConfig(TreeShape):
     """Latency model JSON of this machine: the cost features of policies that see them and the AR fallback's
     costs (filled from the machine setup; without one, the policies' reference costs and no fallback)."""
     ar_fallback: bool = True
-    """Take AR steps while the policies' trees earn fewer tokens per modelled second than AR steps here, probing
-    every ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model; off in training)."""
+    """Take AR steps while the policies' trees earn fewer tokens per modelled second than AR steps here, with probe cycles
+    (adaptree.methods.ar_gate; needs a latency model)."""
     probe_every: int = 8
-    """In AR mode, let the policies draft one cycle in this many."""
+    """In AR mode, AR steps before a probe, counted in units of the cost of the policies's smallest tree (the interval
+    doubles while probes fail, up to 8x)."""
 
     unset_depth: ClassVar[int] = 8
 
@@ -255,7 +256,7 @@ class LTDController(Controller):
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
-        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
         self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
         if cfg.latency:
             from adaptree.offline.latency import load_checked

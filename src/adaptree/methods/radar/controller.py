@@ -45,10 +45,11 @@ class RadarConfig(TreeShape):
     """Latency model JSON of this machine: the cost features of a policy that sees them and the AR fallback's
     costs (filled from the machine setup; without one, the policy's reference costs and no fallback)."""
     ar_fallback: bool = True
-    """Take AR steps while RADAR's trees earn fewer tokens per modelled second than AR steps here, probing every
-    ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model)."""
+    """Take AR steps while RADAR's trees earn fewer tokens per modelled second than AR steps here, with probe cycles
+    (adaptree.methods.ar_gate; needs a latency model)."""
     probe_every: int = 8
-    """In AR mode, let RADAR draft one cycle in this many."""
+    """In AR mode, AR steps before a probe, counted in units of the cost of RADAR's smallest tree (the interval
+    doubles while probes fail, up to 8x)."""
 
     unset_depth: ClassVar[int] = 1
 
@@ -87,7 +88,7 @@ class RadarController(Controller):
         self.hc = None
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
-        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
         self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
         if cfg.latency:
             from adaptree.offline.latency import load_checked

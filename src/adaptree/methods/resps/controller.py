@@ -234,10 +234,11 @@ class ReSpSConfig:
     """Latency model JSON of this machine: the AR fallback's costs (filled from the machine setup; without one, no
     fallback)."""
     ar_fallback: bool = True
-    """Take AR steps while the policy's trees earn fewer tokens per modelled second than AR steps here, probing
-    every ``probe_every``-th cycle (adaptree.methods.ar_gate; needs a latency model)."""
+    """Take AR steps while the policy's trees earn fewer tokens per modelled second than AR steps here, with probe cycles
+    (adaptree.methods.ar_gate; needs a latency model)."""
     probe_every: int = 8
-    """In AR mode, let the policy's tree run one cycle in this many."""
+    """In AR mode, AR steps before a probe, counted in units of the cost of the policy's smallest tree (the interval
+    doubles while probes fail, up to 8x)."""
 
     def __post_init__(self) -> None:
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
@@ -300,7 +301,7 @@ class ReSpSController(Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
-        self.gate = ARGate(cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
         cheapest = min(self.plans, key=lambda p: (p.size, p.width))
         self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
         if cfg.latency:
