@@ -24,9 +24,22 @@ from adaptree.offline.simulator import simulate
 from adaptree.offline.traces import TraceStore
 
 
+def record(folder: str) -> None:
+    """The evaluation traces: the first 16 MT-bench first turns and 16 HumanEval problems, 128 greedy tokens, bf16
+    (greedy acceptance does not depend on the machine)."""
+    import adaptree
+    from adaptree.data.prompts import humaneval, mt_bench
+    from adaptree.offline.recording import record_prompts
+
+    p = adaptree.load(dtype="bfloat16", weights="float", compile="off", adapt=False)
+    record_prompts(p, folder, mt_bench()[:16] + humaneval()[:16], widths=(10,), max_depth=12, max_new_tokens=128,
+                   feature_dtype="none")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", required=True, help="greedy traces of the evaluation prompts")
+    ap.add_argument("--traces", required=True, help="greedy traces of the evaluation prompts (recorded there if "
+                                                    "missing: 16 MT-bench + 16 HumanEval, 128 tokens)")
     ap.add_argument("--profiles", default="docs/results/machines", help="folder of profile folders")
     ap.add_argument("--acceptance", required=True, help="costaware's acceptance calibration (fitted on other traces)")
     ap.add_argument("--ltd", action="append", default=[], help="NAME=FOLDER of an LTD pair (depth/, size/)")
@@ -34,6 +47,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
     args = ap.parse_args()
 
+    if not (Path(args.traces) / "manifest.json").is_file():
+        record(args.traces)
     traces = TraceStore(args.traces).load_all()
     profiles = sorted(p for p in Path(args.profiles).iterdir() if (p / "latency.json").is_file())
     rows = []
