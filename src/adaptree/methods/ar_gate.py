@@ -55,8 +55,7 @@ class ARGate:
     def _ratio(self, width: int, depth: int, size: int, context_len: int) -> float:
         """A tree's cycle time (``depth`` draft steps, ``size`` nodes) over one AR step."""
         lat = self.latency
-        t_ar = lat.verify_time(0, context_len) + lat.other_s
-        return lat.cycle_time(width, depth, size, context_len) / max(t_ar, 1e-12)
+        return lat.cycle_time(width, depth, size, context_len) / max(lat.ar_step(context_len), 1e-12)
 
     def hopeless(self, width: int, size: int, max_depth: int, context_len: int) -> bool:
         """No tree of ``size`` nodes and depth 1..``max_depth`` pays even if its path is accepted level after level
@@ -96,7 +95,7 @@ class ARGate:
         if lat is None or rec.depth == 0:
             return
         t = lat.cycle_time(rec.width, rec.depth, rec.size, rec.context_len)
-        ar_rate = 1.0 / max(lat.verify_time(0, rec.context_len) + lat.other_s, 1e-12)
+        ar_rate = 1.0 / max(lat.ar_step(rec.context_len), 1e-12)
         a = max(self.smoothing, 1.0 / (self.drafted + 1))  # a plain mean over the first 1/smoothing cycles
         self.tokens += a * (rec.accepted + 1 - self.tokens)
         self.seconds += a * (t - self.seconds)

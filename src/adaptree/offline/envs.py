@@ -70,7 +70,7 @@ class SimSource:
             raise ValueError("SimSource needs a latency model (rewards are modelled seconds)")
         self.latency, self.max_new_tokens, self.family = latency, max_new_tokens, family
         self.reference_len = self.traces[0].prompt_len + 128
-        self.reference_step_s = ar_step_s(latency, self.reference_len)
+        self.reference_step_s = latency.ar_step(self.reference_len)
 
     def __len__(self) -> int:
         return len(self.traces)
@@ -82,11 +82,6 @@ class SimSource:
 
         latency = self.latency if self.family is None or rng is None else self.family.sample(rng)
         simulate_one(controller, self.traces[index], latency, self.max_new_tokens, measure_policy=False)
-
-
-def ar_step_s(latency, context_len: int) -> float:
-    """Modelled seconds of one autoregressive step at ``context_len``: what throughput rewards are scaled by."""
-    return latency.verify_time(0, context_len) + latency.other_s
 
 
 class LiveSource:
@@ -279,7 +274,7 @@ class CycleEnv(gym.Env):
         automatic reward scales follow its autoregressive step, so rewards read as speedups on every member."""
         self.latency = latency
         if self._auto_scale and isinstance(self.source, SimSource):  # live rewards keep the measured AR step
-            self.reward_scale = ar_step_s(latency, getattr(self.source, "reference_len", 256))
+            self.reward_scale = latency.ar_step(self.source.reference_len)
 
     # ---- rewards
     def reward(self, rec: CycleRecord) -> float:

@@ -39,7 +39,7 @@ def cost_features(model: LatencyModel, width: int = 10, context_len: int = COST_
     autoregressive step ``verify(0) + other_s``, so a uniformly faster machine has the same features)."""
     L = int(context_len)
     v0 = max(model.verify_time(0, L), 1e-9)
-    ar = v0 + model.other_s
+    ar = v0 + model.other_s  # one AR step (verify(0) kept away from 0 for the ratios)
     growth = [float(np.log(max(model.verify_time(v, L), v0) / v0)) for v in (4, 16, 64)]
     return [model.draft_step(width, L) / ar, *growth, model.other_s / ar]
 

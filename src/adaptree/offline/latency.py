@@ -100,8 +100,16 @@ class LatencyModel:
         lo, hi = c[i, 0] + c[i, 1] * L, c[i + 1, 0] + c[i + 1, 1] * L
         return np.maximum(0.0, lo + frac * (hi - lo))
 
+    def ar_steps(self, context_len) -> np.ndarray:
+        """Seconds of one autoregressive step (the root alone verified, plus the per-cycle overhead), vectorised
+        over L: the time every speedup is measured against."""
+        return self.verify_times(0, context_len) + self.other_s
+
     def draft_step(self, width: int, context_len: int) -> float:
         return float(self.draft_steps(width, context_len))
+
+    def ar_step(self, context_len: int) -> float:
+        return float(self.ar_steps(context_len))
 
     def draft_time(self, width: int, depth: int, context_len: int) -> float:
         return depth * self.draft_step(width, context_len) if depth > 0 else 0.0

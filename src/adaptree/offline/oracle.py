@@ -107,7 +107,7 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
     L = (n + pos).astype(np.float64)
     room = trace.max_len - n - pos  # >= 1 for j < T
     forced_ar = room <= 1  # the engine drafts nothing there (run_cycles: room > 1)
-    ar_cost = lat.verify_times(0, L) + lat.other_s
+    ar_cost = lat.ar_steps(L)
 
     def verify(v: np.ndarray) -> np.ndarray:
         return lat.verify_times(v, L[:, None])
@@ -221,7 +221,7 @@ class OracleResult(RunTotals):
 
 
 def _ar_time(lat: LatencyModel, n: int, T: int) -> float:
-    return sum(lat.verify_time(0, n + i) + lat.other_s for i in range(T))  # SimRun.ar_s over T + 1 tokens
+    return sum(lat.ar_step(n + i) for i in range(T))  # SimRun.ar_s over T + 1 tokens
 
 
 def oracle(trace: PromptTrace, latency: LatencyModel, *, widths: Sequence[int] | None = None,

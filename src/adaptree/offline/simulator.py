@@ -250,7 +250,7 @@ def simulate_one(controller: Controller, trace: PromptTrace, latency_model: Late
         src, ctl, trace.prompt.tolist(), tokens, run.cycles, limit, eos,
         time.perf_counter if measure_policy else _no_clock)
     if lat is not None:
-        run.ar_s = sum(lat.verify_time(0, n + i) + lat.other_s for i in range(len(tokens) - 1))
+        run.ar_s = sum(lat.ar_step(n + i) for i in range(len(tokens) - 1))
     return run
 
 

@@ -241,7 +241,7 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> E
     keys = [r.key for r in records for _ in range(r.cycles)]
     ar = costs = None
     if latency is not None:
-        ar = torch.from_numpy(latency.verify_times(0, ctx.astype(np.float64)) + latency.other_s)
+        ar = torch.from_numpy(latency.ar_steps(ctx.astype(np.float64)))
         if cfg.costs:
             from adaptree.offline.family import cost_features
 
