@@ -42,6 +42,12 @@ class ARGate:
         self.latency = None
         self.reset()
 
+    @classmethod
+    def of(cls, config) -> "ARGate | None":
+        """The gate a method's config asks for (its ``ar_fallback`` and ``probe_every``; probes at most 8x further
+        apart), or None with the fallback off."""
+        return cls(config.probe_every, max_probe_every=8 * config.probe_every) if config.ar_fallback else None
+
     def reset(self) -> None:
         """A new generation: the averages start again."""
         self.tokens = self.seconds = 0.0

@@ -44,6 +44,28 @@ def cost_features(model: LatencyModel, width: int = 10, context_len: int = COST_
     return [model.draft_step(width, L) / ar, *growth, model.other_s / ar]
 
 
+def check_costs(values: Sequence[float] | None) -> list[float] | None:
+    """Reference cost features as stored in a policy's config: None, or one float per :data:`COST_FEATURES` (a
+    ValueError names the values otherwise)."""
+    if values is None:
+        return None
+    out = [float(x) for x in values]
+    if len(out) != len(COST_FEATURES):
+        raise ValueError(f"reference_costs needs {len(COST_FEATURES)} values {COST_FEATURES}, got {out}")
+    return out
+
+
+def costs_or_reference(costs, reference: list[float] | None, method: str):
+    """The cost features a policy runs on: ``costs`` (this machine's), else its ``reference`` ones; a ValueError
+    naming the flag when it has neither."""
+    if costs is not None:
+        return costs
+    if reference is None:
+        raise ValueError(f"this {method.upper()} policy sees the machine's costs: give it a latency model (the "
+                         f"machine setup's, or --{method}-latency PATH)")
+    return reference
+
+
 def scaled(model: LatencyModel, draft: float = 1.0, verify: float = 1.0, other: float = 1.0) -> LatencyModel:
     """``model`` with the draft step times ``draft``, the verification's growth over one row (``verify(V) -
     verify(0)``) times ``verify`` and the per-cycle overhead times ``other`` (one row's cost kept)."""

@@ -76,13 +76,9 @@ class LTDObservation:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         if self.score_scale <= 0 or self.length_scale <= 0:
             raise ValueError(f"score_scale and length_scale must be > 0, got {self.score_scale}, {self.length_scale}")
-        if self.reference_costs is not None:
-            from adaptree.offline.family import COST_FEATURES
+        from adaptree.offline.family import check_costs
 
-            self.reference_costs = [float(x) for x in self.reference_costs]
-            if len(self.reference_costs) != len(COST_FEATURES):
-                raise ValueError(f"reference_costs needs {len(COST_FEATURES)} values {COST_FEATURES}, got "
-                                 f"{self.reference_costs}")
+        self.reference_costs = check_costs(self.reference_costs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LTDObservation":
@@ -136,11 +132,9 @@ class LTDObservation:
         extras = ([depth / self.max_depth] if self.use_depth else []) + (
             [context_len / self.length_scale] if self.use_length else [])
         if self.use_costs:
-            costs = costs if costs is not None else self.reference_costs
-            if costs is None:
-                raise ValueError("this LTD policy sees the machine's costs: give it a latency model (the machine "
-                                 "setup's, or --ltd-latency PATH)")
-            extras += list(costs)
+            from adaptree.offline.family import costs_or_reference
+
+            extras += list(costs_or_reference(costs, self.reference_costs, "ltd"))
         return head, torch.tensor(extras, dtype=torch.float32)
 
     def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
@@ -256,7 +250,7 @@ class LTDController(Controller):
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
-        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate.of(cfg)
         self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
         if cfg.latency:
             from adaptree.offline.latency import load_checked

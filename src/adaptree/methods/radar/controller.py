@@ -88,7 +88,7 @@ class RadarController(Controller):
         self.hc = None
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
-        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate.of(cfg)
         self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
         if cfg.latency:
             from adaptree.offline.latency import load_checked

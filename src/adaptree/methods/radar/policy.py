@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaptree.offline.family import COST_FEATURES
+from adaptree.offline.family import COST_FEATURES, check_costs, costs_or_reference
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import dataclass_from_dict
 
@@ -63,11 +63,7 @@ class RadarModelConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not self.score_floor < 0.0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
-        if self.reference_costs is not None:
-            self.reference_costs = [float(x) for x in self.reference_costs]
-            if len(self.reference_costs) != len(COST_FEATURES):
-                raise ValueError(f"reference_costs needs {len(COST_FEATURES)} values {COST_FEATURES}, got "
-                                 f"{self.reference_costs}")
+        self.reference_costs = check_costs(self.reference_costs)
 
     @property
     def n_costs(self) -> int:
@@ -98,12 +94,7 @@ class RadarPolicy(nn.Module):
         c = self.config
         if not c.cost_features:
             return torch.zeros(0)
-        if costs is None:
-            if c.reference_costs is None:
-                raise ValueError("this RADAR policy sees the machine's costs: give it a latency model (the machine "
-                                 "setup's, or --radar-latency PATH)")
-            costs = c.reference_costs
-        return torch.as_tensor(costs, dtype=torch.float32)
+        return torch.as_tensor(costs_or_reference(costs, c.reference_costs, "radar"), dtype=torch.float32)
 
     def _inputs(self, scores: torch.Tensor, steps: torch.Tensor, costs=None) -> tuple[torch.Tensor, torch.Tensor]:
         x = scores.float().clamp(min=self.config.score_floor)

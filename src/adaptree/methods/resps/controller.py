@@ -301,7 +301,7 @@ class ReSpSController(Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
-        self.gate = ARGate(cfg.probe_every, max_probe_every=8 * cfg.probe_every) if cfg.ar_fallback else None
+        self.gate = ARGate.of(cfg)
         cheapest = min(self.plans, key=lambda p: (p.size, p.width))
         self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
         if cfg.latency:
