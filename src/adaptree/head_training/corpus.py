@@ -3,12 +3,11 @@
 Two sources (``TrainHeadConfig.source``):
 
 - ``"self"`` (self-distillation): the target answers the first user turn of each training prompt itself
-  (greedy, or sampled at ``gen_temperature``), in batches (:func:`~adaptree.core.batched.batched_decode`:
-  left padding and per-row attention masks through :class:`~adaptree.models.llama.Transformer`).
-  The sequence is the chat-templated prompt followed by exactly the ids the target produced (its EOS
-  included), so there is no re-tokenisation mismatch; the loss mask covers the generated ids. Batches
-  are refilled as rows finish (a batch stops when half its rows are done and its unfinished rows are
-  continued, re-prefilled, in the next batch), so decoding runs at a full batch until the very end.
+  (greedy, or sampled at ``gen_temperature``), ``gen_batch_size`` rows at a time with continuous batching
+  (:func:`~adaptree.core.batched.batched_decode`: waiting prompts take the rows of finished ones), so
+  decoding runs at a full batch until the very end. The sequence is the chat-templated prompt followed by
+  exactly the ids the target produced (its EOS included), so there is no re-tokenisation mismatch; the loss
+  mask covers the generated ids.
   Prompts longer than half of ``max_len`` are skipped (recorded as empty sequences).
 - ``"sharegpt"``: ShareGPT conversations as they are, rendered with the target's chat template
   (:func:`render_conversation`); the loss mask covers every assistant turn (content and end-of-turn).
@@ -66,6 +65,12 @@ class TokenSequence:
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "split": self.split, "input_ids": self.input_ids,
                            "loss_mask": self.loss_mask}, separators=(",", ":"))
+
+    def cut(self, max_len: int) -> "TokenSequence":
+        """The first ``max_len`` tokens (this sequence if it is no longer)."""
+        if len(self.input_ids) <= max_len:
+            return self
+        return TokenSequence(self.id, self.input_ids[:max_len], self.loss_mask[:max_len], self.split)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TokenSequence":
@@ -319,36 +324,33 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
                 done.append(TokenSequence(it.id, [], [], it.split))  # nothing to learn; marks the item done
             flush()
     else:
-        queue = []  # (item, prompt ids, generated so far, limit)
+        queue = []  # (item, prompt ids, token limit)
         for it in todo:
             p = prompt_ids_fn(it) if prompt_ids_fn else prompt_ids(tok, it.messages)
             if len(p) > max_prompt:
                 meta["skipped_long_prompts"] += 1
                 done.append(TokenSequence(it.id, [], [], it.split))  # marks the item done
                 continue
-            queue.append((it, list(p), [], min(max_new_tokens, max_len - len(p))))
+            queue.append((it, list(p), min(max_new_tokens, max_len - len(p))))
+        queue.sort(key=lambda e: len(e[1]))  # similar lengths are prefilled together (less padding)
         eos = tok.eos_token_ids if tok is not None else list(target.config.eos_token_id)
-        while queue:
-            # Similar lengths batch together (less padding). A batch stops once half its rows are done while
-            # other work is waiting, and its unfinished rows rejoin the queue: continuous batching by
-            # re-prefill (a prefill token is several times cheaper than a half-empty decode step), so only
-            # the very end of the corpus runs with a thinning batch.
-            queue.sort(key=lambda e: len(e[1]) + len(e[2]))
-            batch, queue = queue[:gen_batch_size], queue[gen_batch_size:]
-            t0 = time.perf_counter()
-            outs = batched_decode(target, [p + g for _, p, g, _ in batch], [lim - len(g) for *_, g, lim in batch],
-                                  eos, temperature=gen_temperature, generator=gen,
-                                  min_live=max(1, len(batch) // 2) if queue else 1)
-            meta["generation_seconds"] += time.perf_counter() - t0
-            for (it, p, g, lim), new in zip(batch, outs):
-                g = g + new.tokens
-                meta["generated_tokens"] += len(new.tokens)
-                if new.stop_reason:  # EOS, the row's limit (or the target's context limit)
-                    done.append(TokenSequence(it.id, p + g, [0] * len(p) + [1] * len(g), it.split))
-                else:
-                    queue.append((it, p, g, lim))
-            bar.set_postfix(gen_tok_s=f"{meta['generated_tokens'] / max(meta['generation_seconds'], 1e-9):.0f}")
+        t_last = time.perf_counter()
+
+        def finished(j: int, out) -> None:
+            nonlocal t_last
+            it, p, _ = queue[j]
+            done.append(TokenSequence(it.id, p + out.tokens, [0] * len(p) + [1] * len(out.tokens), it.split))
+            now = time.perf_counter()
+            meta["generation_seconds"] += now - t_last
+            meta["generated_tokens"] += len(out.tokens)
+            t_last = now
+            bar.set_postfix(gen_tok_s=f"{meta['generated_tokens'] / max(meta['generation_seconds'], 1e-9):.0f}",
+                            refresh=False)
             flush()
+
+        if queue:
+            batched_decode(target, [p for _, p, _ in queue], [lim for *_, lim in queue], eos,
+                           temperature=gen_temperature, generator=gen, batch_size=gen_batch_size, on_done=finished)
     flush(final=True)
     bar.close()
     _write_atomic(folder / "meta.json", json.dumps(meta, indent=2))
