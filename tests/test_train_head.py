@@ -520,3 +520,80 @@ def test_self_distillation_corpus_is_the_targets_greedy_output_and_resumes(tmp_p
     assert len(lengths) > 2  # the early stops and batch refills were exercised
     with pytest.raises(ValueError, match="sharegpt"):
         build_corpus(tmp_path, target, None, items, "sharegpt", max_len=40)
+
+
+def test_batched_decode_keeps_finished_rows_a_while_and_still_matches_the_engine():
+    """17 rows with staggered limits: finished rows stay in the batch until they are an eighth of it."""
+    target = tiny_target(vocab=32, seed=3)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(32) for _ in range(rng.randint(1, 8))] for _ in range(17)]
+    limits = [rng.randint(1, 20) for _ in prompts]
+    outs = batched_generate(target, prompts, limits, eos_token_ids=[])
+    eng = Engine(target)
+    for p, n, got in zip(prompts, limits, outs):
+        assert got == eng.generate(p, make_controller("ar"), max_new_tokens=n).token_ids
+
+
+def test_grouped_decode_attention_matches_sdpa_in_bf16():
+    from adaptree.models.llama import grouped_decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, d, cap, length = 5, 6, 2, 16, 40, 29
+    q = torch.randn(b, h, 1, d, generator=g)
+    k = torch.randn(b, kv, cap, d, generator=g)
+    v = torch.randn(b, kv, cap, d, generator=g)
+    mask = torch.rand(b, 1, 1, length, generator=g) > 0.3
+    mask[..., -1] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], attn_mask=mask,
+                                                           enable_gqa=True)
+    for m in (mask, None):
+        want = ref if m is not None else torch.nn.functional.scaled_dot_product_attention(
+            q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+        got = grouped_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), length, m)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    # the model takes this path for batched bf16 decode steps: logits close to each row decoded alone
+    target = tiny_target(vocab=32, seed=1, dtype=torch.bfloat16)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13]]
+    cache = target.new_cache(16, batch=3)
+    width = 5
+    ids = torch.zeros(3, width, dtype=torch.long)
+    pad = torch.tensor([width - len(p) for p in prompts])
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+    key_ok = torch.arange(16)[None] >= pad[:, None]
+    tmask = torch.ones(width, width, dtype=torch.bool).tril_() & key_ok[:, None, :width]
+    tmask |= torch.eye(width, dtype=torch.bool)
+    pos = (torch.arange(width)[None] - pad[:, None]).clamp(min=0)
+    with torch.no_grad():
+        target(ids, position_ids=pos, cache=cache, tree_mask=tmask)
+        nxt = torch.tensor([[20], [21], [22]])
+        batched = target(nxt, position_ids=torch.tensor([[len(p)] for p in prompts]), cache=cache,
+                         tree_mask=key_ok[:, None, :width + 1]).logits[:, -1].float()
+        for i, p in enumerate(prompts):
+            alone = target(torch.tensor([p + [20 + i]])).logits[0, -1].float()
+            torch.testing.assert_close(batched[i], alone, atol=0.15 * alone.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("slack", [1, 3, 256])
+def test_continuous_batching_seats_waiting_prompts_and_matches_the_engine(monkeypatch, slack):
+    """More prompts than rows: waiting prompts take finished rows (wider ones than the cache's end too), the
+    cache shifts left when full (a tiny slack forces it often), and every answer is the engine's."""
+    from adaptree.core import batched
+
+    monkeypatch.setattr(batched, "_SLACK", slack)
+    target = tiny_target(vocab=32, seed=6)
+    rng = random.Random(slack)
+    prompts = [[rng.randrange(32) for _ in range(rng.randint(1, 3) if i < 6 else rng.randint(6, 14))]
+               for i in range(23)]
+    limits = [rng.randint(1, 16) for _ in prompts]
+    seen = []
+    outs = batched.batched_decode(target, prompts, limits, [], batch_size=5,
+                                  on_done=lambda i, d: seen.append(i))
+    assert sorted(seen) == list(range(23))
+    eng = Engine(target)
+    for p, n, got in zip(prompts, limits, outs):
+        assert got.tokens == eng.generate(p, make_controller("ar"), max_new_tokens=n).token_ids
+        assert got.stop_reason == "max_new_tokens" and got.end == n
+    with pytest.raises(ValueError, match="batch_size"):
+        batched.batched_decode(target, prompts, 3, batch_size=0)

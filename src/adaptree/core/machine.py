@@ -82,3 +82,27 @@ def machine_info() -> dict:
     import transformers
 
     return {**machine_profile(), "python": platform.python_version(), "transformers": transformers.__version__}
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to serve every allocation from its heap and never hand freed memory back to the
+    system (``mallopt``: no mmap'd chunks, a 1 GiB trim threshold), for the rest of the process.
+
+    By default every allocation over 128 KiB-32 MiB is a fresh ``mmap`` that the kernel must fault in page by
+    page and an ``munmap`` when freed, and the head-training loop frees and reallocates its large activations
+    (``[rows, draft_vocab]`` logits, ~100 MB) every step: with this, a TTT-7 training step on SmolLM2 went
+    from 510 to 660 tokens/s (2 threads). The process keeps its peak memory. Returns False where the C
+    library is not glibc (nothing changed)."""
+    import ctypes
+    import ctypes.util
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        return False

@@ -18,9 +18,11 @@ is the hidden input and what the query may attend to:
 Positions ``q < k`` have no such chain (their base would be negative) and get no loss; they never feed a
 valid position either (a valid query only reads keys whose own chain is valid).
 
-The step-0 keys are attended with an ordinary (shifted) causal score matrix; the k chain keys of a step-k
-query are one per query, so they are dot products along the diagonal, concatenated to the scores before
-the softmax: ``O(T^2 + k T)`` per step, not ``O(k T^2)``.
+The step-0 keys are attended with torch's fused causal attention kernel (a step-k query ``q`` sees keys
+``<= q-k``: queries ``k..T-1`` against keys ``0..T-1-k`` is an ordinary causal pattern), and the k chain
+keys of a step-k query, one per query, are dot products merged into the same softmax through the
+log-sum-exps (:class:`_ChainAttention`): ``O(T^2 + k T)`` per step, not ``O(k T^2)``, and no ``[T, T]``
+matrix in memory.
 """
 
 from __future__ import annotations
@@ -40,38 +42,88 @@ def shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(x, (0, 0, n, 0))[..., : x.shape[-2], :]
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class _ChainAttention(torch.autograd.Function):
+    """Attention of TTT step ``s``: query ``q`` sees the step-0 keys at positions ``<= q - s`` and its own ``s``
+    chain keys, in one softmax; fp32, no ``[T, T]`` matrix in memory.
+
+    ``q [B, H, T, D]``, ``k0``/``v0`` ``[B, H, T, D]`` (step-0 keys and values, already repeated to the query
+    heads), ``ck``/``cv`` ``[B, KV, T, s, D]`` (query ``q``'s chain keys and values; the ``H / KV`` query heads
+    of a group share them). The prefix part is torch's fused causal attention kernel (queries ``s..T-1``
+    against keys ``0..T-1-s``: the offset mask is an ordinary causal one), and the chain part is merged through
+    the log-sum-exps. Backward: the fused kernel's backward given the prefix share of the output gradient and
+    the *merged* output (whose row sums ``D = dO . out`` the softmax gradient needs), plus the chain part by
+    hand. Queries ``q < s`` see no prefix key; they carry no loss (see :func:`ttt_forward`)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, ck, cv, scale: float):
+        b, h, t, d = q.shape
+        s, kv = ck.shape[3], ck.shape[1]
+        out = torch.zeros_like(q)
+        lse = torch.full((b, h, t), float("-inf"), dtype=q.dtype, device=q.device)
+        if s < t:
+            out[:, :, s:], lse[:, :, s:] = _flash(q[:, :, s:], k0[:, :, :t - s], v0[:, :, :t - s], 0.0, True,
+                                                  scale=scale)
+        pc = q.new_empty(0)
+        total = lse
+        if s:
+            sc = (q.view(b, kv, h // kv, t, 1, d) * ck.unsqueeze(2)).sum(-1).view(b, h, t, s) * scale
+            total = torch.logaddexp(lse, torch.logsumexp(sc, dim=-1))
+            pc = torch.exp(sc - total.unsqueeze(-1))
+            chain = (pc.view(b, kv, h // kv, t, s, 1) * cv.unsqueeze(2)).sum(-2).view(b, h, t, d)
+            out = out * torch.exp(lse - total).unsqueeze(-1) + chain
+        ctx.save_for_backward(q, k0, v0, ck, cv, out, lse, total, pc)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, ck, cv, out, lse, total, pc = ctx.saved_tensors
+        b, h, t, d = q.shape
+        s, kv = ck.shape[3], ck.shape[1]
+        g = h // kv
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        if s < t:
+            share = (dout * torch.exp(lse - total).unsqueeze(-1))[:, :, s:].contiguous()
+            dq[:, :, s:], dk[:, :, :t - s], dv[:, :, :t - s] = _flash_backward(
+                share, q[:, :, s:], k0[:, :, :t - s], v0[:, :, :t - s], out[:, :, s:].contiguous(),
+                lse[:, :, s:].contiguous(), 0.0, True, scale=ctx.scale)
+        dck = dcv = None
+        if s:
+            rows = (dout * out).sum(-1).view(b, kv, g, t, 1)
+            do5 = dout.view(b, kv, g, t, 1, d)
+            p5 = pc.view(b, kv, g, t, s)
+            ds = p5 * ((do5 * cv.unsqueeze(2)).sum(-1) - rows) * ctx.scale  # [b, kv, g, t, s]
+            dq = dq + (ds.unsqueeze(-1) * ck.unsqueeze(2)).sum(-2).view(b, h, t, d)
+            dck = (ds.unsqueeze(-1) * q.view(b, kv, g, t, 1, d)).sum(2)
+            dcv = (p5.unsqueeze(-1) * do5).sum(2)
+        return dq, dk, dv, dck, dcv, None
+
+
 def _ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                    values: list[torch.Tensor], step: int) -> torch.Tensor:
     """The head's attention (``llama.Attention`` weights) for TTT step ``step``; appends this step's keys
     and values to ``keys``/``values`` (index = step).
 
-    Scores, softmax and the weighted sum run in fp32 even under autocast: the ``[T, T]`` score matrices
-    are the largest activations here, and casting them back and forth costs more than the fp32 matmuls."""
+    Rotary, scores, softmax and the weighted sum run in fp32 even under autocast (:class:`_ChainAttention`)."""
     b, t, _ = x.shape
     h, kv, hd = attn.n_heads, attn.n_kv, attn.head_dim
-    g = h // kv
     qkv = attn.qkv_proj(x).view(b, t, h + 2 * kv, hd).transpose(1, 2)
     with torch.autocast(x.device.type, enabled=False):
         qk = apply_rope(qkv[:, : h + kv].float(), cos.float(), sin.float())
-        q = qk[:, :h] * (1.0 / math.sqrt(hd))
+        q = qk[:, :h]
         keys.append(qk[:, h:])
         values.append(qkv[:, h + kv:].float())
-        # step-0 keys: position i visible to query q iff i <= q - step (additive -inf bias, fused in baddbmm)
-        bias = torch.zeros(t, t, device=x.device).masked_fill_(
-            ~torch.ones(t, t, dtype=torch.bool, device=x.device).tril_(-step), float("-inf"))
-        q3 = q.reshape(b * kv, g * t, hd)
-        s0 = torch.baddbmm(bias.repeat(g, 1), q3, keys[0].reshape(b * kv, t, hd).transpose(1, 2))
-        s0 = s0.view(b, kv, g, t, t)
-        # chain keys: step j key at q - step + j, j = 1..step (the last is the query's own key)
-        q5 = q.reshape(b, kv, g, t, hd)
-        chain_v = [shift_right(values[j], step - j).unsqueeze(2) for j in range(1, step + 1)]
-        scores = [s0] + [(q5 * shift_right(keys[j], step - j).unsqueeze(2)).sum(-1, keepdim=True)
-                         for j in range(1, step + 1)]
-        p = torch.softmax(torch.cat(scores, dim=-1) if step else s0, dim=-1)
-        out = (p[..., :t].reshape(b * kv, g * t, t) @ values[0].reshape(b * kv, t, hd)).view(b, kv, g, t, hd)
-        for j, vj in enumerate(chain_v):
-            out = out + p[..., t + j:t + j + 1] * vj
-        out = out.reshape(b, h, t, hd).transpose(1, 2).reshape(b, t, h * hd)
+        # chain keys and values of query q: step j's at q - step + j, j = 1..step (the last is its own)
+        ck = torch.stack([shift_right(keys[j], step - j) for j in range(1, step + 1)], dim=3) if step else \
+            q.new_zeros(b, kv, t, 0, hd)
+        cv = torch.stack([shift_right(values[j], step - j) for j in range(1, step + 1)], dim=3) if step else ck
+        out = _ChainAttention.apply(q.contiguous(), keys[0].repeat_interleave(h // kv, 1),
+                                    values[0].repeat_interleave(h // kv, 1), ck, cv, 1.0 / math.sqrt(hd))
+        out = out.transpose(1, 2).reshape(b, t, h * hd)
     return attn.o_proj(out.to(x.dtype))
 
 
@@ -112,23 +164,26 @@ def ttt_forward(head, feats: torch.Tensor, input_ids: torch.Tensor, steps: int,
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """``sum_i w_i * CE(target_i, softmax(logits_i))`` with the gradient ``(softmax - target) * w`` computed
-    directly: one fp32 [rows, V] buffer instead of log_softmax + product + sum graphs (``target`` rows sum
-    to 1)."""
+    """``sum_i w_i * CE(target_i, softmax(logits_i))`` for target rows that sum to 1, computed as
+    ``w_i * (logsumexp(logits_i) - target_i . logits_i)`` (no ``[rows, V]`` log-probabilities kept), with the
+    gradient ``(softmax - target) * w`` written in one buffer."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        loss = -((target * logp).sum(-1) * w).sum()  # not ``@``: autocast would run a matmul in bf16
-        ctx.save_for_backward(logp, target, w)
-        ctx.in_dtype = logits.dtype
+        x = logits.float()
+        lse = torch.logsumexp(x, dim=-1)
+        # the row dot products as a batched matmul (no [rows, V] product); autocast is off for it
+        with torch.autocast(x.device.type, enabled=False):
+            dots = torch.bmm(target.unsqueeze(1), x.unsqueeze(2)).view(-1)
+        loss = ((lse - dots) * w).sum()
+        ctx.save_for_backward(logits, lse, target, w)
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logp, target, w = ctx.saved_tensors
-        g = logp.exp_().sub_(target).mul_((w * grad)[:, None])
-        return g.to(ctx.in_dtype), None, None
+        logits, lse, target, w = ctx.saved_tensors
+        g = torch.sub(logits.float(), lse[:, None]).exp_().sub_(target).mul_((w * grad)[:, None])  # a new buffer
+        return g.to(logits.dtype), None, None
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -178,8 +233,10 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     weight = batch["weight"]
     t = weight.shape[1]
     qpos = torch.arange(t, device=weight.device)
-    masks = [weight & (qpos >= k)[None] for k in range(steps)]
-    outs = ttt_forward(head, batch["feats"], batch["input_ids"], steps, logits_rows=masks)
+    # Logits at every loss row at every step, the rows a step has no chain for (q < k: at most the first k
+    # positions of a sequence, rarely a response) weighted 0: the same rows each step, so the target
+    # distribution is computed once and never copied per step.
+    outs = ttt_forward(head, batch["feats"], batch["input_ids"], steps, logits_rows=[weight] * steps)
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         # the target's distribution over the draft vocabulary, once, at every loss position, in fp32
         tgt_all = torch.softmax(batch["hidden"][weight].float() @ target_lm_rows.float().T, dim=-1)
@@ -188,21 +245,20 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     total = torch.zeros((), device=weight.device)
     stats: dict[str, list] = {"loss_sum": [], "count": [], "correct": [], "correct_mask": [], "valid_mask": []}
     for k, (_, logits) in enumerate(outs):
-        sel = wpos >= k  # rows of step k among the loss rows (same row-major order as masks[k])
+        sel = wpos >= k  # the loss rows of step k
         n = int(sel.sum())
-        ones = torch.ones(n, device=logits.device)
-        loss_k = soft_cross_entropy(logits, tgt_all[sel], ones)
+        loss_k = soft_cross_entropy(logits, tgt_all, sel.float())
         if n:
             total = total + (decay ** k) * loss_k / n
         with torch.no_grad():
-            ok_rows = head.draft_to_target(logits.max(-1).indices) == am_all[sel]
+            ok_rows = (head.draft_to_target(logits.max(-1).indices) == am_all) & sel
             ok = torch.zeros_like(weight)
-            ok[masks[k]] = ok_rows
+            ok[weight] = ok_rows
         stats["loss_sum"].append(float(loss_k.detach()))
         stats["count"].append(n)
         stats["correct"].append(int(ok_rows.sum()))
         stats["correct_mask"].append(ok)
-        stats["valid_mask"].append(masks[k])
+        stats["valid_mask"].append(weight & (qpos >= k)[None])
     return total, stats
 
 
