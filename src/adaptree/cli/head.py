@@ -1,6 +1,9 @@
-"""``adaptree train-head``: train an EAGLE-3 draft head for a target."""
+"""``adaptree train-head``: train an EAGLE-3 draft head for a target; ``adaptree corpus grow | info``: the committed
+self-distilled corpora it trains on."""
 
 from __future__ import annotations
+
+import json
 
 from adaptree.cli.common import ConfigFlags, command_line
 
@@ -13,13 +16,36 @@ def _flags() -> ConfigFlags:
                        choices={"source": ("self", "sharegpt"), "train_dtype": ("bfloat16", "float32"),
                                 "target_dtype": sorted(DTYPES)},
                        positive=("num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_batch_size",
-                                 "draft_vocab", "epochs", "ttt_steps", "batch_tokens", "max_steps", "threads"))
+                                 "draft_vocab", "epochs", "ttt_steps", "batch_tokens", "max_steps", "threads",
+                                 "corpus_chunks"))
+
+
+def _corpus_flags() -> ConfigFlags:
+    from adaptree.api import DTYPES
+    from adaptree.head_training.chunked import CorpusSettings
+
+    # unset: a flag not given takes the corpus's own setting (the default's for a new corpus)
+    return ConfigFlags(CorpusSettings, rename={"target_dtype": "dtype"}, choices={"target_dtype": sorted(DTYPES)},
+                       positive=("max_len", "max_new_tokens", "chunk_prompts", "val_prompts", "gen_batch_size"),
+                       unset=True)
 
 
 def register(sub) -> None:
     t = sub.add_parser("train-head", help="train an EAGLE-3 draft head for a target (self-distillation or ShareGPT)")
     _flags().add(t)
     t.set_defaults(func=cmd_train_head)
+
+    c = sub.add_parser("corpus", help="the committed self-distilled corpora head training uses")
+    csub = c.add_subparsers(dest="corpus_cmd", required=True)
+    g = csub.add_parser("grow", help="generate chunks until the corpus has --chunks training chunks (resumable)")
+    g.add_argument("--out", required=True, help="the corpus folder (created with these settings if missing)")
+    g.add_argument("--chunks", type=int, required=True, help="training chunks wanted in all (0: the held-out one)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _corpus_flags().add(g)
+    g.set_defaults(func=cmd_corpus_grow)
+    i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified)")
+    i.add_argument("folder")
+    i.set_defaults(func=cmd_corpus_info)
 
 
 def cmd_train_head(args) -> int:
@@ -32,4 +58,43 @@ def cmd_train_head(args) -> int:
         print(f"validation acceptance per TTT step: {' '.join(f'{a:.3f}' for a in v['step_acc'])}; "
               f"chain tau {v.get('chain_tau', float('nan')):.2f}")
     print(f"head: {s['export']}  summary: {cfg.out}/training_summary.json")
+    return 0
+
+
+def cmd_corpus_grow(args) -> int:
+    import torch
+
+    from adaptree.core.machine import keep_freed_memory
+    from adaptree.head_training.chunked import ChunkedCorpus, CorpusSettings
+    from adaptree.head_training.features import target_fingerprint
+    from adaptree.models import load_model
+
+    if args.chunks < 0:
+        raise ValueError(f"--chunks must be >= 0, got {args.chunks}")
+    corpus = ChunkedCorpus(args.out)
+    settings = CorpusSettings(**{**corpus.manifest.get("settings", {}), **_corpus_flags().values(args)})
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    from adaptree.api import DTYPES
+
+    model = None if settings.model == "default" else settings.model
+    target, tok = load_model(model, dtype=DTYPES[settings.target_dtype])
+    target.eval()
+    totals = corpus.grow(settings, args.chunks, target, tok,
+                         fingerprint=target_fingerprint(target, settings.model),
+                         progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))
+    print(json.dumps(totals, indent=1))
+    return 0
+
+
+def cmd_corpus_info(args) -> int:
+    from adaptree.head_training.chunked import ChunkedCorpus
+
+    corpus = ChunkedCorpus(args.folder)
+    if not corpus.manifest:
+        raise FileNotFoundError(f"{args.folder}: no corpus here (manifest.json missing)")
+    corpus.read()  # verifies every checksum
+    print(json.dumps({"settings": corpus.manifest["settings"], "target": corpus.manifest["target"].get("name"),
+                      "totals": corpus.totals()}, indent=1))
     return 0

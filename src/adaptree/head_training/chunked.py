@@ -1,0 +1,294 @@
+"""A self-distilled corpus that outlives a session: token ids in checksummed chunks, committed to the repository.
+
+``adaptree corpus grow --out corpora/<name> --chunks N`` makes the target answer ShareGPT prompts and stores
+what it said; ``adaptree train-head --corpus corpora/<name>`` trains on it (features are recomputed from the
+ids, never stored here). Growing is resumable at two levels: a finished chunk is never redone, and inside a
+chunk the generation writes whole parts to ``<folder>/.work/`` (not committed) that a rerun continues.
+
+Layout of ``<folder>``:
+
+- ``manifest.json``: the format version, the :class:`CorpusSettings` (fixed when the corpus is created; a
+  run with other settings is refused, naming them), the target's fingerprint, and one entry per chunk:
+  file name, split, the range of prompts it answers, sequence and token counts, generation seconds, the
+  machine that made it, and the SHA-256 of its file (checked on every read).
+- ``val-00000.npz``: the answers to ``val_prompts`` prompts of the ShareGPT ``validation`` split.
+- ``train-NNNNN.npz``: chunk ``i`` answers prompts ``[i * chunk_prompts, (i + 1) * chunk_prompts)`` of the
+  ``train`` split, in the fixed shuffled order of :func:`~adaptree.head_training.corpus.sharegpt_items`
+  for the seed (evaluation prompts excluded), so chunk ``i`` is the same prompts on every machine.
+
+A chunk file is a NumPy ``.npz`` (no pickles) with ``ids`` (unicode), ``prompt_len`` and ``response_len``
+(int32, one per prompt; a prompt over half of ``max_len`` is kept with an empty response) and ``tokens``
+(uint16 where the vocabulary fits, else uint32): every sequence's prompt ids (chat template applied, the
+assistant header included) followed by the ids the target generated, concatenated.
+
+Determinism: a chunk is a function of the settings and the target's weights. Greedy decoding of a batch
+in bfloat16 can take another token on a near-tie on another CPU (other kernels round differently), so the
+same chunk regenerated elsewhere may differ in a few places; the manifest records which machine made each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from adaptree.head_training.corpus import (
+    ConversationItem,
+    TokenSequence,
+    _write_atomic,
+    build_corpus,
+    read_corpus,
+    sharegpt_items,
+)
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    """What a committed corpus is a function of (with the target's weights)."""
+
+    model: str = "default"
+    """The target: a registered short name, or ``default`` (SmolLM2-135M-Instruct)."""
+    target_dtype: str = "bfloat16"
+    """The target's dtype while generating."""
+    temperature: float = 0.0
+    """0 = greedy answers; else sampled at this temperature (seeded per chunk from ``seed``)."""
+    max_len: int = 1024
+    """Longest sequence (prompt + answer); prompts over half of it get no answer."""
+    max_new_tokens: int = 256
+    """Longest answer."""
+    chunk_prompts: int = 256
+    """Prompts per training chunk: the unit that is committed."""
+    val_prompts: int = 64
+    """Prompts of the held-out chunk (ShareGPT ``validation`` split)."""
+    seed: int = 0
+    """The ShareGPT shuffle (which prompts, in which order) and the sampling seeds."""
+    gen_batch_size: int = 96
+    """Rows decoded together (batch shapes round differently, so it is part of what a chunk is)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_len", "max_new_tokens", "chunk_prompts", "val_prompts", "gen_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.max_len < 8:
+            raise ValueError(f"max_len must be >= 8, got {self.max_len}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CorpusSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown corpus settings {unknown}")
+        return cls(**d)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _chunk_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.npz"
+
+
+def pack_chunk(path: Path, seqs: list[TokenSequence], prompt_lens: list[int], vocab_size: int) -> None:
+    """Write ``seqs`` (in order) as one ``.npz`` chunk, atomically."""
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+    flat = [t for s in seqs for t in s.input_ids]
+    arrays = {
+        "ids": np.array([s.id for s in seqs], dtype=str),
+        "prompt_len": np.array(prompt_lens, dtype=np.int32),
+        "response_len": np.array([len(s.input_ids) - p for s, p in zip(seqs, prompt_lens)], dtype=np.int32),
+        "tokens": np.array(flat, dtype=dtype),
+    }
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def unpack_chunk(path: Path, split: str) -> list[TokenSequence]:
+    """The sequences of a chunk (empty answers skipped), loss mask on the answer."""
+    with np.load(path, allow_pickle=False) as z:
+        ids, plen, rlen, tokens = z["ids"], z["prompt_len"], z["response_len"], z["tokens"]
+    out, pos = [], 0
+    for i, p, r in zip(ids.tolist(), plen.tolist(), rlen.tolist()):
+        seq = tokens[pos:pos + p + r].tolist()
+        pos += p + r
+        if r > 0:
+            out.append(TokenSequence(str(i), seq, [0] * p + [1] * r, split))
+    if pos != len(tokens):
+        raise ValueError(f"{path}: lengths cover {pos} tokens, the file holds {len(tokens)}")
+    return out
+
+
+class ChunkedCorpus:
+    """A corpus folder (see the module docstring): its manifest, reading and growing."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        path = self.folder / "manifest.json"
+        self.manifest: dict = json.loads(path.read_text()) if path.is_file() else {}
+        if self.manifest and self.manifest.get("format") != FORMAT_VERSION:
+            raise ValueError(f"{path}: corpus format {self.manifest.get('format')!r}, this version reads "
+                             f"{FORMAT_VERSION}")
+
+    @property
+    def settings(self) -> CorpusSettings | None:
+        s = self.manifest.get("settings")
+        return CorpusSettings.from_dict(s) if s else None
+
+    def chunks(self, split: str | None = None) -> list[dict]:
+        return [c for c in self.manifest.get("chunks", []) if split is None or c["split"] == split]
+
+    def totals(self) -> dict:
+        out: dict[str, dict] = {}
+        for c in self.chunks():
+            t = out.setdefault(c["split"], {"chunks": 0, "sequences": 0, "tokens": 0, "response_tokens": 0,
+                                            "generation_seconds": 0.0})
+            for k in ("sequences", "tokens", "response_tokens", "generation_seconds"):
+                t[k] += c[k]
+            t["chunks"] += 1
+        return out
+
+    def read(self, split: str | None = None, max_chunks: int | None = None) -> list[TokenSequence]:
+        """The sequences of the chunks of ``split`` (all splits: None), the first ``max_chunks`` training chunks
+        only if given; every file's checksum is verified against the manifest."""
+        out: list[TokenSequence] = []
+        train_seen = 0
+        for c in self.chunks(split):
+            if c["split"] == "train":
+                if max_chunks is not None and train_seen >= max_chunks:
+                    continue
+                train_seen += 1
+            path = self.folder / c["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: listed in the manifest but missing")
+            digest = _sha256(path)
+            if digest != c["sha256"]:
+                raise ValueError(f"{path}: SHA-256 {digest[:12]}... does not match the manifest's "
+                                 f"{c['sha256'][:12]}... (a changed or damaged chunk)")
+            out.extend(unpack_chunk(path, c["split"]))
+        return out
+
+    # ---- growing ---------------------------------------------------------------------------------
+
+    def _check_settings(self, settings: CorpusSettings, fingerprint: dict) -> None:
+        from adaptree.head_training.features import _same_target
+
+        have = self.settings
+        if have is not None and have != settings:
+            differ = {f.name: (getattr(have, f.name), getattr(settings, f.name)) for f in fields(settings)
+                      if getattr(have, f.name) != getattr(settings, f.name)}
+            raise ValueError(f"{self.folder} was made with other settings (corpus's, asked): {differ}; "
+                             f"grow it with its own settings or start another folder")
+        if self.manifest.get("target") and not _same_target(self.manifest["target"], fingerprint):
+            raise ValueError(f"{self.folder} was generated by another target "
+                             f"({self.manifest['target'].get('name')!r}); start another folder")
+
+    def _save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.folder / "manifest.json", json.dumps(self.manifest, indent=1) + "\n")
+
+    def grow(self, settings: CorpusSettings, chunks: int, target, tok, *, fingerprint: dict,
+             items: tuple[list[ConversationItem], list[ConversationItem]] | None = None,
+             prompt_ids_fn=None, progress=None) -> dict:
+        """Generate the held-out chunk (if missing) and training chunks until there are ``chunks``; returns
+        :meth:`totals`. ``items``: (train, validation) conversations instead of ShareGPT's (tests).
+        ``progress(done, wanted)`` is called after each chunk."""
+        from adaptree.core.machine import machine_profile
+
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+            raise ValueError(f"chunks must be a non-negative integer, got {chunks!r}")
+        self._check_settings(settings, fingerprint)
+        if not self.manifest:
+            self.manifest = {"format": FORMAT_VERSION, "settings": asdict(settings), "target": fingerprint,
+                             "chunks": []}
+            self._save()
+        have_train = len(self.chunks("train"))
+        todo = [("val", 0)] if not self.chunks("val") else []
+        todo += [("train", i) for i in range(have_train, chunks)]
+        if not todo:
+            return self.totals()
+        if items is None:
+            items = self._sharegpt(settings, chunks)
+        train_items, val_items = items
+        need = chunks * settings.chunk_prompts
+        if len(train_items) < need:
+            raise ValueError(f"{chunks} chunks need {need} training prompts; {len(train_items)} are available")
+        vocab = target.config.vocab_size
+        for split, i in todo:
+            chunk_items = (val_items[:settings.val_prompts] if split == "val" else
+                           train_items[i * settings.chunk_prompts:(i + 1) * settings.chunk_prompts])
+            work = self.folder / ".work" / f"{split}-{i:05d}"
+            stats = build_corpus(work, target, tok, chunk_items, "self", max_len=settings.max_len,
+                                 max_new_tokens=settings.max_new_tokens, gen_temperature=settings.temperature,
+                                 gen_batch_size=settings.gen_batch_size, part_size=settings.gen_batch_size,
+                                 seed=settings.seed * 100_003 + (i if split == "train" else 99_991),
+                                 prompt_ids_fn=prompt_ids_fn)
+            by_id = {s.id: s for s in read_corpus(work)}
+            seqs = [by_id[it.id] for it in chunk_items]
+            plens = [len(s.input_ids) - sum(s.loss_mask) for s in seqs]
+            name = _chunk_name(split, i)
+            pack_chunk(self.folder / name, seqs, plens, vocab)
+            first = 0 if split == "val" else i * settings.chunk_prompts
+            self.manifest["chunks"].append({
+                "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
+                "sequences": sum(1 for s in seqs if sum(s.loss_mask)), "tokens": sum(len(s.input_ids) for s in seqs),
+                "response_tokens": sum(sum(s.loss_mask) for s in seqs),
+                "skipped_long_prompts": stats.skipped_long_prompts,
+                "generation_seconds": round(stats.generation_seconds, 2),
+                "generation_tokens_per_s": round(stats.generation_tokens_per_s, 1),
+                "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
+                "sha256": _sha256(self.folder / name)})
+            self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
+            self._save()
+            shutil.rmtree(work, ignore_errors=True)
+            if progress is not None:
+                progress(len(self.chunks("train")), chunks)
+        shutil.rmtree(self.folder / ".work", ignore_errors=True)
+        return self.totals()
+
+    @staticmethod
+    def _sharegpt(settings: CorpusSettings, chunks: int) -> tuple[list[ConversationItem], list[ConversationItem]]:
+        found, _ = sharegpt_items(chunks * settings.chunk_prompts, settings.val_prompts, settings.seed)
+        return [it for it in found if it.split == "train"], [it for it in found if it.split == "val"]
+
+
+def read_corpora(folders: str | list[str], max_chunks: int | None = None) -> list[TokenSequence]:
+    """The sequences of one or more corpus folders (a comma-separated string or a list): the training chunks
+    of all (the first ``max_chunks`` of each if given) and the held-out chunk of the first (so validation
+    stays the same when corpora are added). Ids are suffixed with the folder's name (the same prompt answered
+    greedily and sampled are two sequences)."""
+    names = [f for f in (folders.split(",") if isinstance(folders, str) else folders) if f]
+    if not names:
+        raise ValueError("no corpus folder given")
+    out: list[TokenSequence] = []
+    for n, folder in enumerate(names):
+        corpus = ChunkedCorpus(folder)
+        if not corpus.manifest:
+            raise FileNotFoundError(f"{folder}: no corpus here (manifest.json missing); make one with "
+                                    f"'adaptree corpus grow --out {folder} --chunks N'")
+        tag = Path(folder).name
+        for split in ("train", "val") if n == 0 else ("train",):
+            out.extend(TokenSequence(f"{s.id}@{tag}", s.input_ids, s.loss_mask, s.split)
+                       for s in corpus.read(split, max_chunks=max_chunks))
+    return out
+
+
+__all__ = ["ChunkedCorpus", "CorpusSettings", "pack_chunk", "read_corpora", "unpack_chunk"]

@@ -1,0 +1,129 @@
+"""The committed self-distilled corpus: chunks of token ids, checksums, settings, resumption, training on it."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+from conftest import tiny_target
+
+from adaptree.core.engine import Engine
+from adaptree.head_training.chunked import ChunkedCorpus, CorpusSettings, read_corpora
+from adaptree.head_training.corpus import ConversationItem
+from adaptree.head_training.features import target_fingerprint
+from adaptree.methods import make_controller
+
+
+def _setup(n_train=10, n_val=3, seed=0):
+    target = tiny_target(vocab=32, seed=4)
+    rng = random.Random(seed)
+    prompts = {f"q{i}": [rng.randrange(32) for _ in range(rng.randint(2, 9))] for i in range(n_train + n_val)}
+    items = [ConversationItem(k, [{"role": "user", "content": k}], "val" if i >= n_train else "train")
+             for i, k in enumerate(prompts)]
+    train = [it for it in items if it.split == "train"]
+    val = [it for it in items if it.split == "val"]
+    return target, prompts, (train, val)
+
+
+def _grow(folder, settings, chunks, target, prompts, items, **kw):
+    return ChunkedCorpus(folder).grow(settings, chunks, target, None, fingerprint=target_fingerprint(target, "tiny"),
+                                      items=items, prompt_ids_fn=lambda it: prompts[it.id], **kw)
+
+
+def test_chunks_hold_the_targets_greedy_answers_and_grow_across_runs(tmp_path):
+    target, prompts, items = _setup()
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=12, chunk_prompts=4, val_prompts=3,
+                       gen_batch_size=3, target_dtype="float32")
+    totals = _grow(tmp_path, s, 1, target, prompts, items)
+    assert totals["train"]["chunks"] == 1 and totals["val"]["chunks"] == 1
+    _grow(tmp_path, s, 2, target, prompts, items)  # a later session adds a chunk
+    corpus = ChunkedCorpus(tmp_path)
+    assert [c["file"] for c in corpus.chunks()] == ["val-00000.npz", "train-00000.npz", "train-00001.npz"]
+    assert [c["prompts"] for c in corpus.chunks("train")] == [[0, 4], [4, 8]]
+    assert not (tmp_path / ".work").exists()
+    seqs = corpus.read()
+    train_ids = [it.id for it in items[0][:8]]
+    assert [x.id for x in seqs if x.split == "train"] == train_ids
+    assert sorted(x.id for x in seqs if x.split == "val") == sorted(it.id for it in items[1])
+    eng = Engine(target)
+    for x in seqs:
+        p = prompts[x.id]
+        ref = eng.generate(p, make_controller("ar"), max_new_tokens=12).token_ids
+        assert x.input_ids == p + ref and x.loss_mask == [0] * len(p) + [1] * len(ref)
+    with np.load(tmp_path / "train-00000.npz", allow_pickle=False) as z:
+        assert z["tokens"].dtype == np.uint16 and set(z.files) == {"ids", "prompt_len", "response_len", "tokens"}
+    # only the first chunk, and two corpora (ids tagged per folder, validation from the first only)
+    assert len([x for x in corpus.read(max_chunks=1) if x.split == "train"]) == 4
+    other = tmp_path.parent / (tmp_path.name + "-sampled")
+    shutil.copytree(tmp_path, other)
+    both = read_corpora(f"{tmp_path},{other}")
+    assert len(both) == len(seqs) + 8 and len({x.id for x in both}) == len(both)
+
+
+def test_settings_target_and_checksums_are_enforced(tmp_path):
+    target, prompts, items = _setup()
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=4, val_prompts=2,
+                       gen_batch_size=4, target_dtype="float32")
+    _grow(tmp_path, s, 1, target, prompts, items)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        _grow(tmp_path, CorpusSettings(**{**json.loads((tmp_path / "manifest.json").read_text())["settings"],
+                                         "max_new_tokens": 7}), 2, target, prompts, items)
+    with pytest.raises(ValueError, match="another target"):
+        _grow(tmp_path, s, 2, tiny_target(vocab=32, seed=5), prompts, items)
+    with pytest.raises(ValueError, match="training prompts"):
+        _grow(tmp_path, s, 5, target, prompts, items)
+    raw = bytearray((tmp_path / "train-00000.npz").read_bytes())
+    raw[-30] ^= 0xFF
+    (tmp_path / "train-00000.npz").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="SHA-256"):
+        ChunkedCorpus(tmp_path).read()
+    with pytest.raises(ValueError, match="chunk_prompts"):
+        CorpusSettings(chunk_prompts=0)
+    with pytest.raises(FileNotFoundError, match="corpus grow"):
+        read_corpora(str(tmp_path / "nothing"))
+
+
+def test_an_interrupted_chunk_resumes_from_its_parts(tmp_path, monkeypatch):
+    from adaptree.head_training import chunked
+
+    target, prompts, items = _setup()
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=8, val_prompts=2,
+                       gen_batch_size=3, target_dtype="float32")
+    real = chunked.build_corpus
+    calls = []
+
+    def dies_after_one_part(*a, **kw):
+        calls.append(a[0])
+        if len(calls) == 2:  # the first training chunk: stop after one part, as a kill would
+            real(*a, **{**kw, "limit": 3})
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(chunked, "build_corpus", dies_after_one_part)
+    with pytest.raises(KeyboardInterrupt):
+        _grow(tmp_path, s, 1, target, prompts, items)
+    work = tmp_path / ".work" / "train-00000"
+    assert len(list(work.glob("part-*.jsonl"))) == 1 and len(ChunkedCorpus(tmp_path).chunks("train")) == 0
+    monkeypatch.setattr(chunked, "build_corpus", real)
+    _grow(tmp_path, s, 1, target, prompts, items)
+    seqs = ChunkedCorpus(tmp_path).read("train")
+    assert [x.id for x in seqs] == [it.id for it in items[0][:8]]
+
+
+def test_train_head_on_a_committed_corpus(tmp_path):
+    from adaptree.head_training.trainer import TrainHeadConfig, train_head
+
+    target, prompts, items = _setup(n_train=12, n_val=3)
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=10, chunk_prompts=6, val_prompts=3,
+                       gen_batch_size=6, target_dtype="float32")
+    _grow(tmp_path / "c", s, 2, target, prompts, items)
+    cfg = TrainHeadConfig(out=str(tmp_path / "run"), corpus=str(tmp_path / "c"), corpus_chunks=1, max_len=40,
+                          batch_tokens=64, draft_vocab=16, epochs=1, ttt_steps=2, val_steps=2, target_dtype="float32",
+                          train_dtype="float32", val_every=1000)
+    res = train_head(cfg, target=target, model_name="tiny")
+    data = res.summary["data"]
+    assert data["train_sequences"] == 6 and data["val_sequences"] == 3
+    assert res.summary["validation"]["final"]["step_acc"]
