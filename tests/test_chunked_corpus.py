@@ -7,6 +7,7 @@ import random
 import shutil
 
 import numpy as np
+import torch
 import pytest
 from conftest import tiny_target
 
@@ -127,3 +128,36 @@ def test_train_head_on_a_committed_corpus(tmp_path):
     data = res.summary["data"]
     assert data["train_sequences"] == 6 and data["val_sequences"] == 3
     assert res.summary["validation"]["final"]["step_acc"]
+
+
+def test_the_exported_head_is_the_best_validated_one(tmp_path):
+    from safetensors.torch import load_file
+
+    from adaptree.head_training.trainer import TrainHeadConfig, train_head
+
+    target, prompts, items = _setup(n_train=12, n_val=3)
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=10, chunk_prompts=12, val_prompts=3,
+                       gen_batch_size=6, target_dtype="float32")
+    _grow(tmp_path / "c", s, 1, target, prompts, items)
+    common = dict(corpus=str(tmp_path / "c"), max_len=40, batch_tokens=40, draft_vocab=16, epochs=3, ttt_steps=2,
+                  val_steps=2, target_dtype="float32", train_dtype="float32", val_every=2, lr=3e-2)
+    by = {}
+    for select in ("chain_tau", "step0", "last"):
+        res = train_head(TrainHeadConfig(out=str(tmp_path / select), select=select, **common), target=target,
+                         model_name="tiny")
+        hist, sel = res.summary["validation"]["history"], res.summary["validation"]["selected"]
+        assert len(hist) > 3
+        if select == "last":
+            assert sel == {"by": "last", "step": hist[-1]["step"]}
+        else:
+            metric = (lambda v: v["chain_tau"]) if select == "chain_tau" else (lambda v: v["step_acc"][0])
+            best = max(hist, key=metric)
+            assert sel["by"] == select and metric(next(h for h in hist if h["step"] == sel["step"])) == metric(best)
+            assert res.summary["validation"]["final"]["step"] == sel["step"]
+        by[select] = (sel["step"], load_file(str(res.export / "model.safetensors")))
+    # the runs are identical up to the choice: the exported weights are the last ones iff chosen at the last step
+    last_step, last = by["last"]
+    for select in ("chain_tau", "step0"):
+        step, weights = by[select]
+        same = all(torch.equal(last[k], weights[k]) for k in last)
+        assert same == (step == last_step), (select, step, last_step)

@@ -12,8 +12,11 @@ def _flags() -> ConfigFlags:
     from adaptree.api import DTYPES
     from adaptree.head_training import TrainHeadConfig
 
+    from adaptree.head_training.trainer import SELECT
+
     return ConfigFlags(TrainHeadConfig, exclude=("command",), rename={"target_dtype": "dtype"},
                        choices={"source": ("self", "sharegpt"), "train_dtype": ("bfloat16", "float32"),
+                                "select": tuple(SELECT),
                                 "target_dtype": sorted(DTYPES)},
                        positive=("num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_batch_size",
                                  "draft_vocab", "epochs", "ttt_steps", "batch_tokens", "max_steps", "threads",
@@ -55,8 +58,9 @@ def cmd_train_head(args) -> int:
     s = train_head(cfg)
     v = s["validation"]["final"]
     if v:
-        print(f"validation acceptance per TTT step: {' '.join(f'{a:.3f}' for a in v['step_acc'])}; "
-              f"chain tau {v.get('chain_tau', float('nan')):.2f}")
+        sel = s["validation"]["selected"]
+        print(f"exported: step {sel['step']} (by {sel['by']}); validation acceptance per TTT step: "
+              f"{' '.join(f'{a:.3f}' for a in v['step_acc'])}; chain tau {v.get('chain_tau', float('nan')):.2f}")
     print(f"head: {s['export']}  summary: {cfg.out}/training_summary.json")
     return 0
 

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -54,6 +55,8 @@ from adaptree.offline import runs
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["step_acc"][0], "last": None}
+"""How the exported weights are chosen among the validations (``TrainHeadConfig.select``)."""
 
 # Fields that define the training run (its data, batches and schedule): a resumed run must agree with its
 # checkpoint on them.
@@ -135,6 +138,10 @@ class TrainHeadConfig:
     """Cap on optimizer steps (the schedule is fitted to the cap)."""
     val_every: int = 200
     """Validate every this many steps (and at the end)."""
+    select: str = "chain_tau"
+    """The exported weights: those of the validation with the highest chain tau (``chain_tau``: the mean
+    accepted length of a greedy draft chain, held out), the highest step-0 acceptance (``step0``), or the
+    last step's (``last``). Heads over-train: the validation loss can still fall while acceptance does."""
     ckpt_every: int = 100
     """Checkpoint every this many steps (and at the end)."""
     log_every: int = 10
@@ -171,6 +178,8 @@ class TrainHeadConfig:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if self.val_prompts is None:
             self.val_prompts = max(8, self.num_prompts // 20)
+        if self.select not in SELECT:
+            raise ValueError(f"select must be one of {sorted(SELECT)}, got {self.select!r}")
 
     def run_fields(self) -> dict:
         return runs.settings_of(self, only=_RUN_FIELDS)
@@ -368,6 +377,20 @@ class HeadTrainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
+    def _keep_if_best(self, head: Eagle3Head, v: dict, history: list[dict]) -> None:
+        """Save the weights to ``out/best`` when validation ``v`` is the best so far by ``cfg.select``."""
+        metric = SELECT[self.cfg.select]
+        if metric is None:
+            return
+        if all(metric(v) > metric(h) for h in history if h is not v):
+            runs.save_checkpoint(self.out / "best", head, {"step": v["step"], "select": self.cfg.select,
+                                                           "value": metric(v)})
+
+    def best(self) -> dict | None:
+        """The state of the kept best weights (``out/best``), if any."""
+        found = runs.find_checkpoint(self.out / "best")
+        return runs.checkpoint_state(found) if found is not None else None
+
     def _log(self, record: dict) -> None:
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -400,8 +423,10 @@ class HeadTrainer:
             train_seconds = state["train_seconds"]
             history = state.get("history", [])
             log.info("resumed from %s at step %d", found, step)
-        elif self.log_path.exists():
-            self.log_path.unlink()  # a fresh run: a log of an older, discarded run would mislead
+        else:  # a fresh run: the log and best weights of an older, discarded run would mislead
+            self.log_path.unlink(missing_ok=True)
+            for stale in ("best", "best.old", "best.tmp"):
+                shutil.rmtree(self.out / stale, ignore_errors=True)
         self.head = head
         lm_rows = self.target.lm_head.weight[head.t2d.to(self.target.device)].detach().to(self.device).float()
         lm_rows.requires_grad_(False)
@@ -454,6 +479,7 @@ class HeadTrainer:
                     v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
                     history.append(v)
                     self._log(v)
+                    self._keep_if_best(head, v, history)
                     bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
                               + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}")
                     t_last = time.perf_counter()
@@ -540,11 +566,18 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     walls["train"] = time.perf_counter() - t0
     head = trainer.head
     assert head is not None
+    selected = {"by": "last", "step": result["steps"]}
+    best = trainer.best() if cfg.select != "last" else None
+    if best is not None:
+        runs.load_checkpoint(runs.find_checkpoint(out / "best"), head)
+        selected = {"by": cfg.select, "step": best["step"], "value": best["value"]}
     export = out / "head"
     head.save_pretrained(export, dtype=torch.bfloat16)
     walls["total"] = time.perf_counter() - t_all
 
     final = result["history"][-1] if result["history"] else {}
+    if best is not None:
+        final = next(h for h in result["history"] if h["step"] == best["step"])
     summary = {
         "command": cfg.command or " ".join(sys.argv),
         "config": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
@@ -573,7 +606,7 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
             "generation": corpus.generation_seconds, "features": store.meta.get("extraction_seconds", 0.0),
             "training": result["train_seconds"],
             "total": corpus.generation_seconds + store.meta.get("extraction_seconds", 0.0) + result["train_seconds"]},
-        "validation": {"final": final, "history": result["history"]},
+        "validation": {"final": final, "selected": selected, "history": result["history"]},
         "export": str(export),
         "machine": machine_info(),
     }
