@@ -588,6 +588,7 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
             "corpus": asdict(corpus) | {"generation_tokens_per_s": corpus.generation_tokens_per_s},
             "train_sequences": len(trainer.train_refs), "val_sequences": len(trainer.val_refs),
             "train_tokens": sum(r.length for r in trainer.train_refs),
+            "train_response_tokens": sum(sum(x.loss_mask) for x in seqs if x.split == "train"),
             "val_tokens": sum(r.length for r in trainer.val_refs),
             "feature_disk_bytes": store.disk_bytes(),
             "disk_bytes_per_token": store.disk_bytes() / max(1, store.num_tokens()),

@@ -1,0 +1,83 @@
+"""Held-out acceptance of draft heads against their training data: a table and a plot.
+
+    python scripts/head_curve.py RUN_OR_SUMMARY [...] [--out docs/results/head-training/curve]
+
+Each argument is a ``train-head`` run folder (its ``training_summary.json``) or a summary file; optionally
+``LABEL=PATH``. The x axis is the number of response tokens the head was trained on (the training split's,
+or for summaries older than that field, the corpus's response tokens scaled by the training split's share of
+all tokens); the y axes are the exported head's held-out step-0 acceptance and chain tau (teacher-forced TTT
+validation, ``train-head``'s own measure). Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _load(arg: str) -> tuple[str, dict]:
+    label, _, path = arg.rpartition("=") if "=" in arg else ("", "", arg)
+    p = Path(path)
+    if p.is_dir():
+        p = p / "training_summary.json"
+    if not p.is_file():
+        raise SystemExit(f"no training summary at {p}")
+    return label or p.parent.name, json.loads(p.read_text())
+
+
+def point(label: str, s: dict) -> dict:
+    d = s["data"]
+    train_resp = d.get("train_response_tokens")
+    if train_resp is None:  # older summaries: the corpus's response tokens, the training split's share
+        c = d["corpus"]
+        train_resp = round(c["response_tokens"] * d["train_tokens"] / max(1, d["train_tokens"] + d["val_tokens"]))
+    v = s["validation"]["final"]
+    cfg = s["config"]
+    return {"label": label, "train_response_tokens": train_resp, "train_tokens": d["train_tokens"],
+            "step0": v["step_acc"][0], "step_acc": v["step_acc"], "chain_tau": v.get("chain_tau"),
+            "selected": s["validation"].get("selected", {"by": "last"}), "draft_vocab": cfg["draft_vocab"],
+            "ttt_steps": cfg["ttt_steps"], "epochs": cfg["epochs"], "lr": cfg["lr"],
+            "val_sequences": d["val_sequences"], "command": s.get("command")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="run folders or training_summary.json files (LABEL=PATH to name one)")
+    ap.add_argument("--out", default="docs/results/head-training/curve", help="output path without extension")
+    args = ap.parse_args(argv)
+    pts = sorted((point(*_load(a)) for a in args.runs), key=lambda p: p["train_response_tokens"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(pts, indent=1) + "\n")
+    lines = ["| head | training response tokens | draft vocab | TTT | epochs | lr | step-0 acc. | chain tau | "
+             "exported step |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in pts:
+        lines.append(f"| {p['label']} | {p['train_response_tokens'] / 1e6:.3f}M | {p['draft_vocab']} | "
+                     f"{p['ttt_steps']} | {p['epochs']} | {p['lr']:g} | {p['step0']:.3f} | "
+                     f"{p['chain_tau']:.2f} | {p['selected'].get('step', '?')} ({p['selected']['by']}) |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    xs = [p["train_response_tokens"] for p in pts]
+    for a, key, name in ((ax[0], "step0", "held-out step-0 acceptance"), (ax[1], "chain_tau", "held-out chain tau")):
+        a.plot(xs, [p[key] for p in pts], "o-")
+        for p in pts:
+            a.annotate(p["label"], (p["train_response_tokens"], p[key]), fontsize=7, xytext=(3, 3),
+                       textcoords="offset points")
+        a.set_xscale("log")
+        a.set_xlabel("training response tokens")
+        a.set_title(name, fontsize=10)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
