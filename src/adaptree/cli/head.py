@@ -44,6 +44,7 @@ def register(sub) -> None:
     g.add_argument("--out", required=True, help="the corpus folder (created with these settings if missing)")
     g.add_argument("--chunks", type=int, required=True, help="training chunks wanted in all (0: the held-out one)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
     _corpus_flags().add(g)
     g.set_defaults(func=cmd_corpus_grow)
     i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified)")
@@ -84,7 +85,7 @@ def cmd_corpus_grow(args) -> int:
 
     model = None if settings.model == "default" else settings.model
     target, tok = load_model(model, dtype=DTYPES[settings.target_dtype])
-    target.eval()
+    target = target.to(args.device).eval()
     totals = corpus.grow(settings, args.chunks, target, tok,
                          fingerprint=target_fingerprint(target, settings.model),
                          progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))

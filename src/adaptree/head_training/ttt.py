@@ -103,6 +103,20 @@ class _ChainAttention(torch.autograd.Function):
         return dq, dk, dv, dck, dcv, None
 
 
+def chain_attention_reference(q, k0, v0, ck, cv, scale: float) -> torch.Tensor:
+    """What :class:`_ChainAttention` computes, with plain autograd and the ``[T, T + s]`` score matrix in
+    memory: the path on devices without torch's CPU flash kernel, and the tests' reference."""
+    b, h, t, d = q.shape
+    s, kv = ck.shape[3], ck.shape[1]
+    i = torch.arange(t, device=q.device)
+    scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(i[None, :] > i[:, None] - s, float("-inf"))
+    if not s:
+        return torch.softmax(scores, dim=-1) @ v0
+    chain = (q.view(b, kv, h // kv, t, 1, d) * ck.unsqueeze(2)).sum(-1).view(b, h, t, s) * scale
+    p0, pc = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1).split([t, s], dim=-1)
+    return p0 @ v0 + (pc.view(b, kv, h // kv, t, s, 1) * cv.unsqueeze(2)).sum(-2).view(b, h, t, d)
+
+
 def _ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                    values: list[torch.Tensor], step: int) -> torch.Tensor:
     """The head's attention (``llama.Attention`` weights) for TTT step ``step``; appends this step's keys
@@ -121,8 +135,9 @@ def _ttt_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         ck = torch.stack([shift_right(keys[j], step - j) for j in range(1, step + 1)], dim=3) if step else \
             q.new_zeros(b, kv, t, 0, hd)
         cv = torch.stack([shift_right(values[j], step - j) for j in range(1, step + 1)], dim=3) if step else ck
-        out = _ChainAttention.apply(q.contiguous(), keys[0].repeat_interleave(h // kv, 1),
-                                    values[0].repeat_interleave(h // kv, 1), ck, cv, 1.0 / math.sqrt(hd))
+        attend = _ChainAttention.apply if q.device.type == "cpu" else chain_attention_reference
+        out = attend(q.contiguous(), keys[0].repeat_interleave(h // kv, 1), values[0].repeat_interleave(h // kv, 1),
+                     ck, cv, 1.0 / math.sqrt(hd))
         out = out.transpose(1, 2).reshape(b, t, h * hd)
     return attn.o_proj(out.to(x.dtype))
 
@@ -279,4 +294,4 @@ def chain_lengths(correct: list[torch.Tensor], valid: list[torch.Tensor]) -> tup
     return float(total[base].sum()), int(base.sum())
 
 
-__all__ = ["chain_lengths", "collate", "shift_right", "soft_cross_entropy", "ttt_forward", "ttt_loss"]
+__all__ = ["chain_attention_reference", "chain_lengths", "collate", "shift_right", "soft_cross_entropy", "ttt_forward", "ttt_loss"]
