@@ -161,3 +161,17 @@ def test_the_exported_head_is_the_best_validated_one(tmp_path):
         step, weights = by[select]
         same = all(torch.equal(last[k], weights[k]) for k in last)
         assert same == (step == last_step), (select, step, last_step)
+
+
+def test_a_sharegpt_corpus_keeps_every_assistant_turn(tmp_path):
+    from adaptree.head_training.chunked import pack_chunk, unpack_chunk
+    from adaptree.head_training.corpus import TokenSequence
+
+    seqs = [TokenSequence("a", [1, 2, 3, 4, 5, 6, 7], [0, 1, 1, 0, 0, 1, 1], "train"),
+            TokenSequence("b", [8, 9, 10], [0, 0, 1], "train"), TokenSequence("c", [], [], "train"),
+            TokenSequence("d", [70_000, 1], [0, 1], "train")]
+    pack_chunk(tmp_path / "x.npz", seqs, vocab_size=80_000)
+    back = unpack_chunk(tmp_path / "x.npz", "train")
+    assert back == [seqs[0], seqs[1], seqs[3]]
+    with pytest.raises(ValueError, match="source"):
+        CorpusSettings(source="web")

@@ -19,7 +19,8 @@ Layout of ``<folder>``:
 A chunk file is a NumPy ``.npz`` (no pickles) with ``ids`` (unicode), ``prompt_len`` and ``response_len``
 (int32, one per prompt; a prompt over half of ``max_len`` is kept with an empty response) and ``tokens``
 (uint16 where the vocabulary fits, else uint32): every sequence's prompt ids (chat template applied, the
-assistant header included) followed by the ids the target generated, concatenated.
+assistant header included) followed by the ids the target generated, concatenated. A ``sharegpt`` corpus
+(whole conversations, several assistant turns) adds ``loss_mask``, the bit-packed mask of all tokens.
 
 Determinism: a chunk is a function of the settings and the target's weights. Greedy decoding of a batch
 in bfloat16 can take another token on a near-tie on another CPU (other kernels round differently), so the
@@ -57,6 +58,10 @@ class CorpusSettings:
 
     model: str = "default"
     """The target: a registered short name, or ``default`` (SmolLM2-135M-Instruct)."""
+    source: str = "self"
+    """``self``: the target's own answers to the first user turns; ``sharegpt``: the ShareGPT conversations as
+    they are, all turns, rendered with the target's chat template (loss on every assistant turn; the soft
+    labels still come from the target in training), no generation."""
     target_dtype: str = "bfloat16"
     """The target's dtype while generating."""
     temperature: float = 0.0
@@ -80,6 +85,8 @@ class CorpusSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.source not in ("self", "sharegpt"):
+            raise ValueError(f"source must be 'self' or 'sharegpt', got {self.source!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.max_len < 8:
@@ -106,16 +113,25 @@ def _chunk_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.npz"
 
 
-def pack_chunk(path: Path, seqs: list[TokenSequence], prompt_lens: list[int], vocab_size: int) -> None:
-    """Write ``seqs`` (in order) as one ``.npz`` chunk, atomically."""
+def _prompt_len(seq: TokenSequence) -> int:
+    """Tokens before the first one with loss (all of them for an empty answer)."""
+    return next((i for i, m in enumerate(seq.loss_mask) if m), len(seq.input_ids))
+
+
+def pack_chunk(path: Path, seqs: list[TokenSequence], vocab_size: int) -> None:
+    """Write ``seqs`` (in order) as one ``.npz`` chunk, atomically. ``prompt_len``/``response_len`` split each
+    sequence where its loss starts; sequences whose loss mask has other gaps (several assistant turns) add a
+    bit-packed ``loss_mask`` of all tokens."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-    flat = [t for s in seqs for t in s.input_ids]
+    plens = [_prompt_len(x) for x in seqs]
     arrays = {
-        "ids": np.array([s.id for s in seqs], dtype=str),
-        "prompt_len": np.array(prompt_lens, dtype=np.int32),
-        "response_len": np.array([len(s.input_ids) - p for s, p in zip(seqs, prompt_lens)], dtype=np.int32),
-        "tokens": np.array(flat, dtype=dtype),
+        "ids": np.array([x.id for x in seqs], dtype=str),
+        "prompt_len": np.array(plens, dtype=np.int32),
+        "response_len": np.array([len(x.input_ids) - p for x, p in zip(seqs, plens)], dtype=np.int32),
+        "tokens": np.array([t for x in seqs for t in x.input_ids], dtype=dtype),
     }
+    if any(sum(x.loss_mask) != len(x.input_ids) - p for x, p in zip(seqs, plens)):
+        arrays["loss_mask"] = np.packbits(np.array([m for x in seqs for m in x.loss_mask], dtype=bool))
     buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     tmp = path.with_name(path.name + ".tmp")
@@ -124,17 +140,20 @@ def pack_chunk(path: Path, seqs: list[TokenSequence], prompt_lens: list[int], vo
 
 
 def unpack_chunk(path: Path, split: str) -> list[TokenSequence]:
-    """The sequences of a chunk (empty answers skipped), loss mask on the answer."""
+    """The sequences of a chunk (those without loss skipped)."""
     with np.load(path, allow_pickle=False) as z:
         ids, plen, rlen, tokens = z["ids"], z["prompt_len"], z["response_len"], z["tokens"]
+        packed = z["loss_mask"] if "loss_mask" in z.files else None
+    if int(plen.sum() + rlen.sum()) != len(tokens):
+        raise ValueError(f"{path}: lengths cover {int(plen.sum() + rlen.sum())} tokens, the file holds {len(tokens)}")
+    mask = np.unpackbits(packed, count=len(tokens)).tolist() if packed is not None else None
     out, pos = [], 0
     for i, p, r in zip(ids.tolist(), plen.tolist(), rlen.tolist()):
         seq = tokens[pos:pos + p + r].tolist()
+        m = mask[pos:pos + p + r] if mask is not None else [0] * p + [1] * r
         pos += p + r
-        if r > 0:
-            out.append(TokenSequence(str(i), seq, [0] * p + [1] * r, split))
-    if pos != len(tokens):
-        raise ValueError(f"{path}: lengths cover {pos} tokens, the file holds {len(tokens)}")
+        if r > 0 and any(m):
+            out.append(TokenSequence(str(i), seq, m, split))
     return out
 
 
@@ -237,16 +256,15 @@ class ChunkedCorpus:
             chunk_items = (val_items[:settings.val_prompts] if split == "val" else
                            train_items[i * settings.chunk_prompts:(i + 1) * settings.chunk_prompts])
             work = self.folder / ".work" / f"{split}-{i:05d}"
-            stats = build_corpus(work, target, tok, chunk_items, "self", max_len=settings.max_len,
+            stats = build_corpus(work, target, tok, chunk_items, settings.source, max_len=settings.max_len,
                                  max_new_tokens=settings.max_new_tokens, gen_temperature=settings.temperature,
                                  gen_batch_size=settings.gen_batch_size, part_size=settings.gen_batch_size,
                                  seed=settings.seed * 100_003 + (i if split == "train" else 99_991),
                                  prompt_ids_fn=prompt_ids_fn)
             by_id = {s.id: s for s in read_corpus(work)}
             seqs = [by_id[it.id] for it in chunk_items]
-            plens = [len(s.input_ids) - sum(s.loss_mask) for s in seqs]
             name = _chunk_name(split, i)
-            pack_chunk(self.folder / name, seqs, plens, vocab)
+            pack_chunk(self.folder / name, seqs, vocab)
             first = 0 if split == "val" else i * settings.chunk_prompts
             self.manifest["chunks"].append({
                 "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
