@@ -128,6 +128,16 @@ def test_train_head_on_a_committed_corpus(tmp_path):
     data = res.summary["data"]
     assert data["train_sequences"] == 6 and data["val_sequences"] == 3
     assert res.summary["validation"]["final"]["step_acc"]
+    # two runs sharing one feature store: the second extracts only the sequences the first did not need
+    from adaptree.head_training.features import FeatureStore
+
+    shared = tmp_path / "features"
+    for chunks, name in ((1, "a"), (2, "b")):
+        run = train_head(TrainHeadConfig(**{**cfg.__dict__, "out": str(tmp_path / name), "corpus_chunks": chunks,
+                                            "features": str(shared)}), target=target, model_name="tiny")
+        assert run.summary["data"]["train_sequences"] == 6 * chunks
+        assert len(FeatureStore(shared)) == 6 * chunks + 3
+    assert not (tmp_path / "b" / "features").exists()
 
 
 def test_the_exported_head_is_the_best_validated_one(tmp_path):

@@ -82,6 +82,9 @@ class TrainHeadConfig:
     ``max_new_tokens``, ``gen_*`` do not apply."""
     corpus_chunks: int | None = None
     """With ``corpus``: the first this many training chunks of each folder (None: all)."""
+    features: str | None = None
+    """The feature store (default ``<out>/features``): runs that share one (recipe ablations on the same
+    corpus) extract each sequence's features once; a store may hold more sequences than a run uses."""
     num_prompts: int = 1200
     """Training conversations (ShareGPT ``train`` split, evaluation prompts excluded)."""
     val_prompts: int | None = None
@@ -555,9 +558,10 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
 
     t0 = time.perf_counter()
     wanted = {s.id for s in seqs}
-    extract_features(out / "features", target, seqs, fingerprint=target_fingerprint(target, model_name),
+    feature_dir = Path(cfg.features) if cfg.features else out / "features"
+    extract_features(feature_dir, target, seqs, fingerprint=target_fingerprint(target, model_name),
                      batch_tokens=cfg.batch_tokens)
-    store = FeatureStore(out / "features")
+    store = FeatureStore(feature_dir)
     walls["features"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
