@@ -542,9 +542,15 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     data_stats: dict = {}
     if cfg.corpus:
         seqs = [s.cut(cfg.max_len) for s in read_corpora(cfg.corpus, cfg.corpus_chunks)]
+        corpora = {f: ChunkedCorpus(f) for f in cfg.corpus.split(",") if f}
+        totals = {f: c.totals() for f, c in corpora.items()}
+        made = [t for f, c in corpora.items() if c.settings.source == "self"  # every chunk's generation
+                for t in totals[f].values()]
         corpus = CorpusStats(sequences=len(seqs), tokens=sum(len(s.input_ids) for s in seqs),
                              response_tokens=sum(sum(s.loss_mask) for s in seqs),
-                             extra={"corpora": {f: ChunkedCorpus(f).totals() for f in cfg.corpus.split(",") if f}})
+                             generated_tokens=sum(t["response_tokens"] for t in made),
+                             generation_seconds=sum(t["generation_seconds"] for t in made),
+                             extra={"corpora": totals})
         data_stats = {"corpus": cfg.corpus, "corpus_chunks": cfg.corpus_chunks}
     else:
         if items is None:
