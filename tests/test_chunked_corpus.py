@@ -87,31 +87,29 @@ def test_settings_target_and_checksums_are_enforced(tmp_path):
         read_corpora(str(tmp_path / "nothing"))
 
 
-def test_an_interrupted_chunk_resumes_from_its_parts(tmp_path, monkeypatch):
+def test_an_interrupted_stream_resumes_from_its_parts(tmp_path, monkeypatch):
     from adaptree.head_training import chunked
 
     target, prompts, items = _setup()
-    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=8, val_prompts=2,
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=4, val_prompts=2,
                        gen_batch_size=3, target_dtype="float32")
     real = chunked.build_corpus
-    calls = []
 
     def dies_after_one_part(*a, **kw):
-        calls.append(a[0])
-        if len(calls) == 2:  # the first training chunk: stop after one part, as a kill would
-            real(*a, **{**kw, "limit": 3})
-            raise KeyboardInterrupt
-        return real(*a, **kw)
+        real(*a, **{**kw, "limit": 3})  # three answers (one part), then a kill
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(chunked, "build_corpus", dies_after_one_part)
     with pytest.raises(KeyboardInterrupt):
-        _grow(tmp_path, s, 1, target, prompts, items)
-    work = tmp_path / ".work" / "train-00000"
-    assert len(list(work.glob("part-*.jsonl"))) == 1 and len(ChunkedCorpus(tmp_path).chunks("train")) == 0
+        _grow(tmp_path, s, 2, target, prompts, items)
+    assert len(list((tmp_path / ".work" / "stream").glob("part-*.jsonl"))) == 1
+    assert not ChunkedCorpus(tmp_path).chunks("train")
     monkeypatch.setattr(chunked, "build_corpus", real)
-    _grow(tmp_path, s, 1, target, prompts, items)
-    seqs = ChunkedCorpus(tmp_path).read("train")
-    assert [x.id for x in seqs] == [it.id for it in items[0][:8]]
+    _grow(tmp_path, s, 2, target, prompts, items)
+    corpus = ChunkedCorpus(tmp_path)
+    assert [x.id for x in corpus.read("train")] == [it.id for it in items[0][:8]]
+    assert [c["file"] for c in corpus.chunks()] == ["val-00000.npz", "train-00000.npz", "train-00001.npz"]
+    assert sum(c["generation_seconds"] for c in corpus.chunks()) > 0 and not (tmp_path / ".work").exists()
 
 
 def test_train_head_on_a_committed_corpus(tmp_path):

@@ -109,6 +109,12 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _meta_seconds(folder: Path) -> float:
+    """Generation seconds a corpus work folder has accumulated (0 before it exists)."""
+    path = folder / "meta.json"
+    return json.loads(path.read_text()).get("generation_seconds", 0.0) if path.is_file() else 0.0
+
+
 def _chunk_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.npz"
 
@@ -252,35 +258,54 @@ class ChunkedCorpus:
         if len(train_items) < need:
             raise ValueError(f"{chunks} chunks need {need} training prompts; {len(train_items)} are available")
         vocab = target.config.vocab_size
-        for split, i in todo:
-            chunk_items = (val_items[:settings.val_prompts] if split == "val" else
-                           train_items[i * settings.chunk_prompts:(i + 1) * settings.chunk_prompts])
-            work = self.folder / ".work" / f"{split}-{i:05d}"
-            stats = build_corpus(work, target, tok, chunk_items, settings.source, max_len=settings.max_len,
-                                 max_new_tokens=settings.max_new_tokens, gen_temperature=settings.temperature,
-                                 gen_batch_size=settings.gen_batch_size, part_size=settings.gen_batch_size,
-                                 seed=settings.seed * 100_003 + (i if split == "train" else 99_991),
-                                 prompt_ids_fn=prompt_ids_fn)
-            by_id = {s.id: s for s in read_corpus(work)}
-            seqs = [by_id[it.id] for it in chunk_items]
-            name = _chunk_name(split, i)
-            pack_chunk(self.folder / name, seqs, vocab)
-            first = 0 if split == "val" else i * settings.chunk_prompts
-            self.manifest["chunks"].append({
-                "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
-                "sequences": sum(1 for s in seqs if sum(s.loss_mask)), "tokens": sum(len(s.input_ids) for s in seqs),
-                "response_tokens": sum(sum(s.loss_mask) for s in seqs),
-                "skipped_long_prompts": stats.skipped_long_prompts,
-                "generation_seconds": round(stats.generation_seconds, 2),
-                "generation_tokens_per_s": round(stats.generation_tokens_per_s, 1),
-                "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
-                "sha256": _sha256(self.folder / name)})
-            self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
-            self._save()
-            shutil.rmtree(work, ignore_errors=True)
-            if progress is not None:
-                progress(len(self.chunks("train")), chunks)
-        shutil.rmtree(self.folder / ".work", ignore_errors=True)
+        plan = [(split, i, val_items[:settings.val_prompts] if split == "val" else
+                 train_items[i * settings.chunk_prompts:(i + 1) * settings.chunk_prompts]) for split, i in todo]
+        group = {it.id: g for g, (_, _, chunk_items) in enumerate(plan) for it in chunk_items}
+        # One stream of prompts through one continuous batch, chunk after chunk (a chunk's last rows decode
+        # while the next chunk's first ones do): a chunk is packed once all its prompts are answered. The
+        # finished answers wait in ``.work/`` (whole parts), which a rerun reads back.
+        work = self.folder / ".work"
+        finished = {x.id: x for d in sorted(work.glob("*")) if d.is_dir() for x in read_corpus(d)}
+        stream = work / "stream"
+        clock = {"seconds": _meta_seconds(stream)}
+
+        def pack_ready(new: list[TokenSequence] = ()) -> None:
+            finished.update((x.id, x) for x in new)
+            while plan and all(it.id in finished for it in plan[0][2]):
+                split, i, chunk_items = plan.pop(0)
+                seqs = [finished[it.id] for it in chunk_items]
+                name = _chunk_name(split, i)
+                pack_chunk(self.folder / name, seqs, vocab)
+                spent = _meta_seconds(stream) - clock["seconds"]  # generation since the last chunk was packed
+                clock["seconds"] += spent
+                first = 0 if split == "val" else i * settings.chunk_prompts
+                resp = sum(sum(x.loss_mask) for x in seqs)
+                self.manifest["chunks"].append({
+                    "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
+                    "sequences": sum(1 for x in seqs if sum(x.loss_mask)),
+                    "tokens": sum(len(x.input_ids) for x in seqs), "response_tokens": resp,
+                    "skipped_long_prompts": sum(1 for x in seqs if not x.input_ids),
+                    "generation_seconds": round(spent, 2),
+                    "generation_tokens_per_s": round(resp / spent, 1) if spent > 0 else None,
+                    "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
+                    "sha256": _sha256(self.folder / name)})
+                self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
+                self._save()
+                if progress is not None:
+                    progress(len(self.chunks("train")), chunks)
+
+        pack_ready()  # chunks whose answers a killed run left complete
+        rest = [it for _, _, chunk_items in plan for it in chunk_items if it.id not in finished]
+        if rest:
+            build_corpus(stream, target, tok, rest, settings.source, max_len=settings.max_len,
+                         max_new_tokens=settings.max_new_tokens, gen_temperature=settings.temperature,
+                         gen_batch_size=settings.gen_batch_size, part_size=settings.gen_batch_size,
+                         seed=settings.seed * 100_003 + len(self.chunks()), prompt_ids_fn=prompt_ids_fn,
+                         group_of=lambda it: group[it.id], on_part=pack_ready)
+        pack_ready()
+        if plan:
+            raise RuntimeError(f"chunks {[_chunk_name(s, i) for s, i, _ in plan]} are incomplete after generation")
+        shutil.rmtree(work, ignore_errors=True)
         return self.totals()
 
     @staticmethod

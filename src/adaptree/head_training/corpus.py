@@ -272,12 +272,16 @@ def _read_meta(folder: Path) -> dict:
 def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[ConversationItem], source: str, *,
                  max_len: int, max_new_tokens: int = 256, gen_temperature: float = 0.0, gen_batch_size: int = 32,
                  part_size: int | None = None, seed: int = 0, limit: int | None = None,
-                 prompt_ids_fn: Callable[[ConversationItem], list[int]] | None = None) -> CorpusStats:
+                 prompt_ids_fn: Callable[[ConversationItem], list[int]] | None = None,
+                 group_of: Callable[[ConversationItem], int] | None = None,
+                 on_part: Callable[[list[TokenSequence]], None] | None = None) -> CorpusStats:
     """Tokenise (``source="sharegpt"``) or self-distil (``source="self"``) ``items`` into ``folder``.
 
     Items already in a finished part are skipped (resume). ``limit`` stops after that many new items (to
     simulate an interruption in tests). ``prompt_ids_fn`` replaces the chat template for prompts (tests
-    with tokenizer-less tiny models). Returns the statistics of the whole corpus."""
+    with tokenizer-less tiny models). Prompts are generated shortest first, or with ``group_of`` group by
+    group (shortest first within one), so that a caller's groups finish in order. ``on_part`` is called with
+    the sequences of each part once it is written. Returns the statistics of the whole corpus."""
     if source not in ("self", "sharegpt"):
         raise ValueError(f"unknown corpus source {source!r}; expected 'self' or 'sharegpt'")
     folder = Path(folder)
@@ -314,6 +318,8 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
             _write_atomic(folder / "meta.json", json.dumps(meta, indent=2))
             next_part += 1
             bar.update(len(part))
+            if on_part is not None:
+                on_part(part)
 
     if source == "sharegpt":
         for it in todo:
@@ -332,7 +338,8 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
                 done.append(TokenSequence(it.id, [], [], it.split))  # marks the item done
                 continue
             queue.append((it, list(p), min(max_new_tokens, max_len - len(p))))
-        queue.sort(key=lambda e: len(e[1]))  # similar lengths are prefilled together (less padding)
+        # similar lengths are prefilled together (less padding); a caller's groups in order
+        queue.sort(key=lambda e: (group_of(e[0]) if group_of else 0, len(e[1])))
         eos = tok.eos_token_ids if tok is not None else list(target.config.eos_token_id)
         t_last = time.perf_counter()
 
