@@ -50,6 +50,8 @@ from adaptree.head_training.corpus import (
 )
 
 FORMAT_VERSION = 1
+STREAM_GROUP = 4
+"""Chunks whose prompts are sorted by length together when a corpus grows (see :meth:`ChunkedCorpus.grow`)."""
 
 
 @dataclass(frozen=True)
@@ -260,10 +262,12 @@ class ChunkedCorpus:
         vocab = target.config.vocab_size
         plan = [(split, i, val_items[:settings.val_prompts] if split == "val" else
                  train_items[i * settings.chunk_prompts:(i + 1) * settings.chunk_prompts]) for split, i in todo]
-        group = {it.id: g for g, (_, _, chunk_items) in enumerate(plan) for it in chunk_items}
-        # One stream of prompts through one continuous batch, chunk after chunk (a chunk's last rows decode
-        # while the next chunk's first ones do): a chunk is packed once all its prompts are answered. The
-        # finished answers wait in ``.work/`` (whole parts), which a rerun reads back.
+        group = {it.id: g // STREAM_GROUP for g, (_, _, chunk_items) in enumerate(plan) for it in chunk_items}
+        # One stream of prompts through one continuous batch, STREAM_GROUP chunks at a time, shortest prompts
+        # first within a group (the batch's attention spans its longest context, so similar lengths decode
+        # cheaper; a group's last rows decode while the next group's first ones do): a chunk is packed once
+        # all its prompts are answered. The finished answers wait in ``.work/`` (whole parts), which a rerun
+        # reads back.
         work = self.folder / ".work"
         finished = {x.id: x for d in sorted(work.glob("*")) if d.is_dir() for x in read_corpus(d)}
         stream = work / "stream"
@@ -271,28 +275,33 @@ class ChunkedCorpus:
 
         def pack_ready(new: list[TokenSequence] = ()) -> None:
             finished.update((x.id, x) for x in new)
+            ready = []
             while plan and all(it.id in finished for it in plan[0][2]):
-                split, i, chunk_items = plan.pop(0)
-                seqs = [finished[it.id] for it in chunk_items]
+                ready.append(plan.pop(0))
+            if not ready:
+                return
+            spent = _meta_seconds(stream) - clock["seconds"]  # generation since the last chunks were packed,
+            clock["seconds"] += spent  # shared among the chunks packed now by their answer tokens
+            answers = [[finished[it.id] for it in chunk_items] for *_, chunk_items in ready]
+            resp = [sum(sum(x.loss_mask) for x in seqs) for seqs in answers]
+            for (split, i, chunk_items), seqs, r in zip(ready, answers, resp):
                 name = _chunk_name(split, i)
                 pack_chunk(self.folder / name, seqs, vocab)
-                spent = _meta_seconds(stream) - clock["seconds"]  # generation since the last chunk was packed
-                clock["seconds"] += spent
+                secs = spent * r / max(1, sum(resp))
                 first = 0 if split == "val" else i * settings.chunk_prompts
-                resp = sum(sum(x.loss_mask) for x in seqs)
                 self.manifest["chunks"].append({
                     "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
                     "sequences": sum(1 for x in seqs if sum(x.loss_mask)),
-                    "tokens": sum(len(x.input_ids) for x in seqs), "response_tokens": resp,
+                    "tokens": sum(len(x.input_ids) for x in seqs), "response_tokens": r,
                     "skipped_long_prompts": sum(1 for x in seqs if not x.input_ids),
-                    "generation_seconds": round(spent, 2),
-                    "generation_tokens_per_s": round(resp / spent, 1) if spent > 0 else None,
+                    "generation_seconds": round(secs, 2),
+                    "generation_tokens_per_s": round(r / secs, 1) if secs > 0 else None,
                     "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
                     "sha256": _sha256(self.folder / name)})
-                self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
-                self._save()
-                if progress is not None:
-                    progress(len(self.chunks("train")), chunks)
+            self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
+            self._save()
+            if progress is not None:
+                progress(len(self.chunks("train")), chunks)
 
         pack_ready()  # chunks whose answers a killed run left complete
         rest = [it for _, _, chunk_items in plan for it in chunk_items if it.id not in finished]
