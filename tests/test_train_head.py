@@ -622,3 +622,12 @@ def test_chain_attention_matches_the_plain_autograd_reference(t, s):
         if s == 0 and r is None:
             continue
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+
+
+def test_keep_freed_memory_takes_on_glibc():
+    import platform
+
+    from adaptree.core.machine import keep_freed_memory
+
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is on_glibc
