@@ -111,10 +111,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _meta_seconds(folder: Path) -> float:
-    """Generation seconds a corpus work folder has accumulated (0 before it exists)."""
+def _meta(folder: Path) -> dict:
+    """A corpus work folder's generation statistics (empty before it has any)."""
     path = folder / "meta.json"
-    return json.loads(path.read_text()).get("generation_seconds", 0.0) if path.is_file() else 0.0
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _chunk_name(split: str, index: int) -> str:
@@ -271,7 +271,6 @@ class ChunkedCorpus:
         work = self.folder / ".work"
         finished = {x.id: x for d in sorted(work.glob("*")) if d.is_dir() for x in read_corpus(d)}
         stream = work / "stream"
-        clock = {"seconds": _meta_seconds(stream)}
 
         def pack_ready(new: list[TokenSequence] = ()) -> None:
             finished.update((x.id, x) for x in new)
@@ -280,14 +279,16 @@ class ChunkedCorpus:
                 ready.append(plan.pop(0))
             if not ready:
                 return
-            spent = _meta_seconds(stream) - clock["seconds"]  # generation since the last chunks were packed,
-            clock["seconds"] += spent  # shared among the chunks packed now by their answer tokens
+            # a chunk's answers decoded among others: its seconds at the stream's average rate so far
+            made = [_meta(d) for d in work.glob("*") if d.is_dir()]
+            rate = sum(m.get("generated_tokens", 0) for m in made) / max(1e-9, sum(
+                m.get("generation_seconds", 0.0) for m in made))
             answers = [[finished[it.id] for it in chunk_items] for *_, chunk_items in ready]
             resp = [sum(sum(x.loss_mask) for x in seqs) for seqs in answers]
             for (split, i, chunk_items), seqs, r in zip(ready, answers, resp):
                 name = _chunk_name(split, i)
                 pack_chunk(self.folder / name, seqs, vocab)
-                secs = spent * r / max(1, sum(resp))
+                secs = r / rate if rate > 0 else 0.0
                 first = 0 if split == "val" else i * settings.chunk_prompts
                 self.manifest["chunks"].append({
                     "file": name, "split": split, "prompts": [first, first + len(chunk_items)],
@@ -295,7 +296,7 @@ class ChunkedCorpus:
                     "tokens": sum(len(x.input_ids) for x in seqs), "response_tokens": r,
                     "skipped_long_prompts": sum(1 for x in seqs if not x.input_ids),
                     "generation_seconds": round(secs, 2),
-                    "generation_tokens_per_s": round(r / secs, 1) if secs > 0 else None,
+                    "generation_tokens_per_s": round(rate, 1),
                     "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
                     "sha256": _sha256(self.folder / name)})
             self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
