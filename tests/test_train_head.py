@@ -429,7 +429,8 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
 
     def fake(cfg):
         seen["cfg"] = cfg
-        return {"validation": {"final": {"step_acc": [0.5, 0.4], "chain_tau": 1.9}}, "export": str(tmp_path / "head")}
+        return {"validation": {"final": {"step_acc": [0.5, 0.4], "chain_tau": 1.9},
+                               "selected": {"by": cfg.select, "step": 3}}, "export": str(tmp_path / "head")}
 
     monkeypatch.setattr("adaptree.head_training.train_head", fake)
     rc = cli.main(["train-head", "--out", str(tmp_path), "--source", "sharegpt", "--num-prompts", "50",
@@ -439,7 +440,14 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
     assert rc == 0 and cfg.source == "sharegpt" and cfg.num_prompts == 50 and cfg.max_len == 512
     assert (cfg.draft_vocab, cfg.epochs, cfg.ttt_steps, cfg.lr, cfg.batch_tokens, cfg.seed) == (4096, 3, 5, 5e-4, 2048, 7)
     assert cfg.resume and cfg.target_dtype == "float32" and cfg.command.startswith("adaptree ")
+    assert cfg.select == "chain_tau" and cfg.corpus is None
+    assert cli.main(["train-head", "--out", str(tmp_path), "--corpus", "a,b", "--corpus-chunks", "2", "--select",
+                     "step0", "--features", str(tmp_path / "f")]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.corpus, cfg.corpus_chunks, cfg.select, cfg.features) == ("a,b", 2, "step0", str(tmp_path / "f"))
     assert cli.main(["train-head", "--out", str(tmp_path), "--max-len", "4096", "--batch-tokens", "1024"]) == 2
+    with pytest.raises(SystemExit):  # argparse refuses a choice it does not know
+        cli.main(["train-head", "--out", str(tmp_path), "--select", "best"])
 
 
 def test_fused_soft_cross_entropy_and_selected_logits():
