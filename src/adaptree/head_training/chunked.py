@@ -22,9 +22,11 @@ A chunk file is a NumPy ``.npz`` (no pickles) with ``ids`` (unicode), ``prompt_l
 assistant header included) followed by the ids the target generated, concatenated. A ``sharegpt`` corpus
 (whole conversations, several assistant turns) adds ``loss_mask``, the bit-packed mask of all tokens.
 
-Determinism: a chunk is a function of the settings and the target's weights. Greedy decoding of a batch
-in bfloat16 can take another token on a near-tie on another CPU (other kernels round differently), so the
-same chunk regenerated elsewhere may differ in a few places; the manifest records which machine made each.
+Determinism: a chunk's prompts are a function of the settings, and its answers of the settings and the
+target's weights, up to rounding: a batch in bfloat16 can take another greedy token on a near-tie when its
+rows differ (where a run started or was interrupted decides which prompts share a batch) or on another CPU,
+so a chunk regenerated may differ in a few places; sampled answers also depend on those batches. The
+manifest records which machine made each chunk.
 """
 
 from __future__ import annotations
