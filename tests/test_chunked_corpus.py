@@ -183,3 +183,18 @@ def test_a_sharegpt_corpus_keeps_every_assistant_turn(tmp_path):
     assert back == [seqs[0], seqs[1], seqs[3]]
     with pytest.raises(ValueError, match="source"):
         CorpusSettings(source="web")
+
+
+def test_corpus_cli_info_and_errors(tmp_path, capsys):
+    from adaptree import cli
+
+    target, prompts, items = _setup()
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=4, val_prompts=2,
+                       gen_batch_size=4, target_dtype="float32")
+    _grow(tmp_path / "c", s, 1, target, prompts, items)
+    capsys.readouterr()
+    assert cli.main(["corpus", "info", str(tmp_path / "c")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["settings"]["chunk_prompts"] == 4 and info["totals"]["train"]["chunks"] == 1
+    assert cli.main(["corpus", "info", str(tmp_path / "missing")]) != 0
+    assert cli.main(["corpus", "grow", "--out", str(tmp_path / "c"), "--chunks", "-1"]) != 0

@@ -11,7 +11,6 @@ from adaptree.cli.common import ConfigFlags, command_line
 def _flags() -> ConfigFlags:
     from adaptree.api import DTYPES
     from adaptree.head_training import TrainHeadConfig
-
     from adaptree.head_training.trainer import SELECT
 
     return ConfigFlags(TrainHeadConfig, exclude=("command",), rename={"target_dtype": "dtype"},
@@ -69,6 +68,7 @@ def cmd_train_head(args) -> int:
 def cmd_corpus_grow(args) -> int:
     import torch
 
+    from adaptree.api import DTYPES
     from adaptree.core.machine import keep_freed_memory
     from adaptree.head_training.chunked import ChunkedCorpus, CorpusSettings
     from adaptree.head_training.features import target_fingerprint
@@ -81,8 +81,6 @@ def cmd_corpus_grow(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
-    from adaptree.api import DTYPES
-
     model = None if settings.model == "default" else settings.model
     target, tok = load_model(model, dtype=DTYPES[settings.target_dtype])
     target = target.to(args.device).eval()
