@@ -24,11 +24,13 @@ from adaptree.head_training.corpus import (
 )
 from adaptree.head_training.features import (
     FeatureStore,
+    OnlineFeatures,
     extract_features,
     target_pass,
     u16_to_bf16,
 )
 from adaptree.head_training.trainer import (
+    HeadTrainer,
     TrainHeadConfig,
     lr_factor,
     make_batches,
@@ -381,6 +383,79 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
         run()
 
 
+def test_online_features_match_the_store_and_plan_the_same_batches(tmp_path):
+    target = tiny_target(vocab=32, seed=0)
+    seqs = _random_sequences(15, 32, seed=4)
+    extract_features(tmp_path / "features", target, seqs, batch_tokens=64, shard_tokens=40)
+    store = FeatureStore(tmp_path / "features")
+    online = OnlineFeatures(target, list(reversed(seqs)) + seqs[:2])  # another order, and repeats
+    assert len(online) == 15 and online.disk_bytes() == 0 and online.ids() == store.ids()
+    refs = sorted(online.split("train"), key=lambda r: r.length)[:5]  # one target pass over five sequences
+    for ref, got in zip(refs, online.get_many(refs)):
+        want = store.get(next(r for r in store.seqs if r.id == ref.id))
+        assert set(got) == set(want)
+        for k in ("tokens", "loss_mask"):
+            assert torch.equal(got[k], want[k])
+        for k in ("feats", "hidden"):  # other batches, other padding: equal up to bfloat16 rounding
+            torch.testing.assert_close(got[k].float(), want[k].float(), atol=2e-2, rtol=1e-2)
+    assert online.tokens == sum(r.length for r in refs) and online.seconds > 0
+    val = online.split("val")
+    first = online.get_many(val)
+    assert online.get_many(val)[0] is first[0] and online.tokens == sum(r.length for r in refs + val)  # kept
+    # the vocabulary counts: the response tokens themselves
+    counts = online.token_counts(32, "train")
+    expected = np.zeros(32, dtype=np.int64)
+    for s in seqs:
+        if s.split == "train":
+            for p in range(1, len(s.input_ids)):
+                expected[s.input_ids[p]] += s.loss_mask[p]
+    assert counts.tolist() == expected.tolist()
+    # the batch plan depends on the sequences, not on the store or its order
+    cfg = _tiny_cfg(tmp_path / "run", batch_tokens=64, max_len=32)
+    plans = [HeadTrainer(cfg, target, st)._plan()[0] for st in (store, online)]
+    assert [[[r.id for r in b] for b in e] for e in plans[0]] == [[[r.id for r in b] for b in e] for e in plans[1]]
+
+
+def test_online_features_train_and_resume_from_the_corpus_alone(tiny_run, tmp_path, monkeypatch):
+    """--features online: no store on disk; a crashed run resumes (a new machine has the corpus and the
+    checkpoint, no features) and ends with the head of an uninterrupted online run."""
+    from safetensors.torch import load_file
+
+    target, items, prompts, out, _ = tiny_run
+    runs = {}
+    for name in ("whole", "crashed"):
+        runs[name] = tmp_path / name
+        shutil.copytree(out / "corpus", runs[name] / "corpus")
+    cfg = lambda name: _tiny_cfg(runs[name], epochs=4, max_steps=16, features="online",  # noqa: E731
+                                 resume=name == "crashed" and (runs[name] / "ckpt").exists())
+    run = lambda name: train_head(cfg(name), target=target, items=items,  # noqa: E731
+                                  prompt_ids_fn=lambda it: prompts[it.id])
+    summary = run("whole")
+    assert not (runs["whole"] / "features").exists()
+    thr = summary["throughput"]
+    assert thr["features_online"] and thr["feature_tokens_per_s"] > 0 and summary["data"]["feature_disk_bytes"] == 0
+    lines = [json.loads(x) for x in (runs["whole"] / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if r["type"] == "train"]
+    assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3])
+    real, calls = head_mod.ttt_loss, {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise RuntimeError("killed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(head_mod, "ttt_loss", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        run("crashed")
+    monkeypatch.setattr(head_mod, "ttt_loss", real)
+    run("crashed")
+    a = load_file(runs["whole"] / "ckpt" / "weights.safetensors")
+    b = load_file(runs["crashed"] / "ckpt" / "weights.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
 def test_trained_head_beats_random_head_in_the_engine(tmp_path):
     """End to end: self-distil a tiny target, train briefly, and compare the static-tree tau."""
     target = tiny_target(vocab=VOCAB, seed=11)
@@ -445,6 +520,8 @@ def test_cli_train_head_builds_the_config(monkeypatch, tmp_path):
                      "step0", "--features", str(tmp_path / "f")]) == 0
     cfg = seen["cfg"]
     assert (cfg.corpus, cfg.corpus_chunks, cfg.select, cfg.features) == ("a,b", 2, "step0", str(tmp_path / "f"))
+    assert cli.main(["train-head", "--out", str(tmp_path), "--features", "online", "--ckpt-dtype", "bfloat16"]) == 0
+    assert (seen["cfg"].features, seen["cfg"].ckpt_dtype) == ("online", "bfloat16")
     assert cli.main(["train-head", "--out", str(tmp_path), "--max-len", "4096", "--batch-tokens", "1024"]) == 2
     with pytest.raises(SystemExit):  # argparse refuses a choice it does not know
         cli.main(["train-head", "--out", str(tmp_path), "--select", "best"])
@@ -639,3 +716,33 @@ def test_keep_freed_memory_takes_on_glibc():
 
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is on_glibc
+
+
+def test_bfloat16_checkpoint_round_trip(tmp_path):
+    """ckpt_dtype bfloat16: weights and AdamW moments stored rounded, restored as float32 into a fresh head and
+    optimizer (Adam's step count kept exactly)."""
+    from adaptree.head_training.trainer import load_checkpoint, save_checkpoint
+
+    target = tiny_target(vocab=32, seed=0)
+    head = tiny_head(target, seed=2).float()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        sum((p.float() ** 2).sum() for p in params).backward()
+        opt.step()
+    save_checkpoint(tmp_path / "ckpt", head, opt, {"step": 3}, "bfloat16")
+    from safetensors.torch import load_file
+    for f in ("weights", "optimizer"):
+        stored = load_file(tmp_path / "ckpt" / f"{f}.safetensors").values()
+        assert {t.dtype for t in stored if t.is_floating_point() and t.dim()} == {torch.bfloat16}
+    head2 = tiny_head(target, seed=5).float()
+    opt2 = torch.optim.AdamW([p for p in head2.parameters() if p.requires_grad], lr=1e-3)
+    assert load_checkpoint(tmp_path / "ckpt", head2, opt2)["step"] == 3
+    for (name, a), b in zip(head.state_dict().items(), head2.state_dict().values()):
+        assert b.dtype == a.dtype, name
+        assert torch.equal(b, a.bfloat16().to(a.dtype) if a.is_floating_point() else a), name
+    for s1, s2 in zip(opt.state_dict()["state"].values(), opt2.state_dict()["state"].values()):
+        assert float(s2["step"]) == float(s1["step"]) == 3
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert s2[k].dtype == torch.float32 and torch.equal(s2[k], s1[k].bfloat16().float())

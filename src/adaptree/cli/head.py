@@ -15,7 +15,7 @@ def _flags() -> ConfigFlags:
 
     return ConfigFlags(TrainHeadConfig, exclude=("command",), rename={"target_dtype": "dtype"},
                        choices={"source": ("self", "sharegpt"), "train_dtype": ("bfloat16", "float32"),
-                                "select": tuple(SELECT),
+                                "ckpt_dtype": ("float32", "bfloat16"), "select": tuple(SELECT),
                                 "target_dtype": sorted(DTYPES)},
                        positive=("num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_batch_size",
                                  "draft_vocab", "epochs", "ttt_steps", "batch_tokens", "max_steps", "threads",

@@ -326,20 +326,31 @@ class ChunkedCorpus:
         return [it for it in found if it.split == "train"], [it for it in found if it.split == "val"]
 
 
-def read_corpora(folders: str | list[str], max_chunks: int | None = None) -> list[TokenSequence]:
-    """The sequences of one or more corpus folders (a comma-separated string or a list): the training chunks
-    of all (the first ``max_chunks`` of each if given) and the held-out chunk of the first (so validation
-    stays the same when corpora are added). Ids are suffixed with the folder's name (the same prompt answered
-    greedily and sampled are two sequences)."""
+def open_corpora(folders: str | list[str]) -> dict[str, ChunkedCorpus]:
+    """The corpora of one or more folders (a comma-separated string or a list), in order; a folder without a
+    manifest is refused, naming it."""
     names = [f for f in (folders.split(",") if isinstance(folders, str) else folders) if f]
     if not names:
         raise ValueError("no corpus folder given")
-    out: list[TokenSequence] = []
-    for n, folder in enumerate(names):
+    out: dict[str, ChunkedCorpus] = {}
+    for folder in names:
         corpus = ChunkedCorpus(folder)
         if not corpus.manifest:
             raise FileNotFoundError(f"{folder}: no corpus here (manifest.json missing); make one with "
                                     f"'adaptree corpus grow --out {folder} --chunks N'")
+        out[folder] = corpus
+    return out
+
+
+def read_corpora(folders: str | list[str] | dict[str, ChunkedCorpus],
+                 max_chunks: int | None = None) -> list[TokenSequence]:
+    """The sequences of one or more corpora (folders as for :func:`open_corpora`, or its result): the
+    training chunks of all (the first ``max_chunks`` of each if given) and the held-out chunk of the first
+    (so validation stays the same when corpora are added). Ids are suffixed with the folder's name (the same
+    prompt answered greedily and sampled are two sequences)."""
+    corpora = folders if isinstance(folders, dict) else open_corpora(folders)
+    out: list[TokenSequence] = []
+    for n, (folder, corpus) in enumerate(corpora.items()):
         tag = Path(folder).name
         for split in ("train", "val") if n == 0 else ("train",):
             out.extend(TokenSequence(f"{s.id}@{tag}", s.input_ids, s.loss_mask, s.split)
@@ -347,4 +358,4 @@ def read_corpora(folders: str | list[str], max_chunks: int | None = None) -> lis
     return out
 
 
-__all__ = ["ChunkedCorpus", "CorpusSettings", "pack_chunk", "read_corpora", "unpack_chunk"]
+__all__ = ["ChunkedCorpus", "CorpusSettings", "open_corpora", "pack_chunk", "read_corpora", "unpack_chunk"]

@@ -127,6 +127,10 @@ class FeatureStore:
             "loss_mask": torch.from_numpy(a["loss_mask"][sl].astype(bool)),
         }
 
+    def get_many(self, refs: Sequence[SeqRef]) -> list[dict[str, torch.Tensor]]:
+        """:meth:`get` of each of ``refs`` (the interface :class:`OnlineFeatures` batches)."""
+        return [self.get(r) for r in refs]
+
     def token_counts(self, vocab_size: int, refs: str | Sequence[SeqRef] = "train") -> torch.Tensor:
         """How often each target id is the target's greedy next token at a position whose next token is a
         response token: the tokens the draft head has to propose (input of ``build_vocab_map``). ``refs``:
@@ -256,4 +260,84 @@ def extract_features(folder: str | os.PathLike, target, sequences: Sequence[Toke
     return stats
 
 
-__all__ = ["FeatureStore", "SeqRef", "extract_features", "target_fingerprint", "target_pass", "u16_to_bf16"]
+class OnlineFeatures:
+    """The :class:`FeatureStore` interface over token sequences, with the features computed by the target
+    when a training batch asks for them (``train-head --features online``). Nothing goes to disk and a
+    run resumes on a machine that has only the corpus; each epoch pays the target's forward again (a
+    stored feature pays it once). The sequences of ``keep_splits`` (validation, re-read at every
+    validation) are computed once and kept in memory.
+
+    The draft vocabulary's counts (:meth:`token_counts`) come from the corpus's own response tokens, not the
+    target's argmax: identical for a greedy self-distilled corpus (each response token is the target's
+    greedy next token, up to near-ties), the sampled frequencies for a temperature-1 one."""
+
+    def __init__(self, target, sequences: Sequence[TokenSequence], *, fingerprint: dict | None = None,
+                 keep_splits: tuple[str, ...] = ("val",)) -> None:
+        self.target = target
+        self.folder = None
+        self.hidden_size = int(target.config.hidden_size)
+        self.meta = {"online": True, "hidden_size": self.hidden_size,
+                     "target": fingerprint or target_fingerprint(target)}
+        self._seqs: dict[str, TokenSequence] = {}
+        self.seqs: list[SeqRef] = []
+        for s in sequences:
+            if s.input_ids and s.id not in self._seqs:
+                self.seqs.append(SeqRef(s.id, s.split, -1, len(self.seqs), len(s.input_ids)))
+                self._seqs[s.id] = s
+        self.keep_splits = keep_splits
+        self._kept: dict[str, dict[str, torch.Tensor]] = {}
+        self.seconds = 0.0
+        """Seconds spent in the target's forward (this process)."""
+        self.tokens = 0
+        """Tokens it went over (this process)."""
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def ids(self) -> set[str]:
+        return set(self._seqs)
+
+    def split(self, name: str) -> list[SeqRef]:
+        return [s for s in self.seqs if s.split == name]
+
+    def get_many(self, refs: Sequence[SeqRef]) -> list[dict[str, torch.Tensor]]:
+        """The sequences' arrays as :meth:`FeatureStore.get` gives them, from one target pass over those not
+        kept (batch sequences of similar length: the pass pads to the longest)."""
+        todo = [r for r in refs if r.id not in self._kept]
+        got: dict[str, dict[str, torch.Tensor]] = {}
+        if todo:
+            t0 = time.perf_counter()
+            rows = target_pass(self.target, [self._seqs[r.id].input_ids for r in todo])
+            for r, row in zip(todo, rows):
+                seq = self._seqs[r.id]
+                got[r.id] = {"feats": u16_to_bf16(row["feats"]), "hidden": u16_to_bf16(row["hidden"]),
+                             "tokens": torch.tensor(seq.input_ids, dtype=torch.int64),
+                             "argmax": torch.from_numpy(row["argmax"].astype(np.int64)),
+                             "loss_mask": torch.tensor(seq.loss_mask, dtype=torch.bool)}
+                if r.split in self.keep_splits:
+                    self._kept[r.id] = got[r.id]
+            self.seconds += time.perf_counter() - t0
+            self.tokens += sum(r.length for r in todo)
+        return [self._kept[r.id] if r.id in self._kept else got[r.id] for r in refs]
+
+    def get(self, ref: SeqRef) -> dict[str, torch.Tensor]:
+        return self.get_many([ref])[0]
+
+    def token_counts(self, vocab_size: int, refs: str | Sequence[SeqRef] = "train") -> torch.Tensor:
+        """How often each id is a response token of ``refs`` (a split name or sequences)."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for ref in (self.split(refs) if isinstance(refs, str) else refs):
+            seq = self._seqs[ref.id]
+            ids = np.asarray(seq.input_ids[1:], dtype=np.int64)
+            counts += np.bincount(ids[np.asarray(seq.loss_mask[1:], dtype=bool)], minlength=vocab_size)[:vocab_size]
+        return torch.from_numpy(counts)
+
+    def num_tokens(self, split: str | None = None) -> int:
+        return sum(s.length for s in self.seqs if split is None or s.split == split)
+
+    def disk_bytes(self) -> int:
+        return 0
+
+
+__all__ = ["FeatureStore", "OnlineFeatures", "SeqRef", "extract_features", "target_fingerprint", "target_pass",
+           "u16_to_bf16"]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from adaptree.head_training.chunked import ChunkedCorpus, read_corpora
+from adaptree.head_training.chunked import open_corpora, read_corpora
 from adaptree.head_training.corpus import (
     ConversationItem,
     CorpusStats,
@@ -44,6 +44,7 @@ from adaptree.head_training.corpus import (
 )
 from adaptree.head_training.features import (
     FeatureStore,
+    OnlineFeatures,
     SeqRef,
     extract_features,
     target_fingerprint,
@@ -60,10 +61,10 @@ SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["
 
 # Fields that define the training run (its data, batches and schedule): a resumed run must agree with its
 # checkpoint on them.
-_RUN_FIELDS = ("source", "corpus", "corpus_chunks", "num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_temperature",
-               "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay",
-               "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed", "init_from_target",
-               "train_dtype")
+_RUN_FIELDS = ("source", "corpus", "corpus_chunks", "num_prompts", "val_prompts", "max_len", "max_new_tokens",
+               "gen_temperature", "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio",
+               "weight_decay", "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed",
+               "init_from_target", "train_dtype")
 
 
 @dataclass
@@ -84,7 +85,10 @@ class TrainHeadConfig:
     """With ``corpus``: the first this many training chunks of each folder (None: all)."""
     features: str | None = None
     """The feature store (default ``<out>/features``): runs that share one (recipe ablations on the same
-    corpus) extract each sequence's features once; a store may hold more sequences than a run uses."""
+    corpus) extract each sequence's features once; a store may hold more sequences than a run uses.
+    ``"online"``: no store; the target computes each batch's features in the training loop (every epoch
+    pays its forward again, nothing goes to disk, and a run resumes on a new machine from its checkpoint
+    and the committed corpus alone). 4.6 KB per token stored (H = 576): 16 GB for 3.5M tokens."""
     num_prompts: int = 1200
     """Training conversations (ShareGPT ``train`` split, evaluation prompts excluded)."""
     val_prompts: int | None = None
@@ -147,6 +151,11 @@ class TrainHeadConfig:
     last step's (``last``). Heads over-train: the validation loss can still fall while acceptance does."""
     ckpt_every: int = 100
     """Checkpoint every this many steps (and at the end)."""
+    ckpt_dtype: str = "float32"
+    """Dtype of the checkpoints' weights and AdamW moments (``ckpt`` and ``best``). ``bfloat16`` halves them
+    (63 MB for the default model's head with its optimizer): for a long run handed to the next machine by
+    committing its run folder (with ``--features online``), which then goes on from weights and moments
+    rounded to bfloat16."""
     log_every: int = 10
     """Write a ``train_log.jsonl`` line every this many steps."""
     seed: int = 0
@@ -181,6 +190,8 @@ class TrainHeadConfig:
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         if self.val_prompts is None:
             self.val_prompts = max(8, self.num_prompts // 20)
+        if self.ckpt_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ckpt_dtype must be float32 or bfloat16, got {self.ckpt_dtype!r}")
         if self.select not in SELECT:
             raise ValueError(f"select must be one of {sorted(SELECT)}, got {self.select!r}")
 
@@ -235,10 +246,10 @@ LEGACY_TRAINER_FILE = "trainer.pt"
 """Optimizer and RNG states of the checkpoints written before the shared format (``torch.save``)."""
 
 
-def save_checkpoint(folder: Path, head: Eagle3Head, opt, state: dict) -> None:
+def save_checkpoint(folder: Path, head: Eagle3Head, opt, state: dict, dtype: str = "float32") -> None:
     """Write ``folder`` atomically (:func:`adaptree.offline.runs.save_checkpoint`): the head's weights, the
-    AdamW state, the torch / Python / numpy RNG states and ``state``."""
-    runs.save_checkpoint(folder, head, state, opt, rng=True)
+    AdamW state (floats in ``dtype``), the torch / Python / numpy RNG states and ``state``."""
+    runs.save_checkpoint(folder, head, state, opt, rng=True, dtype=getattr(torch, dtype))
 
 
 def find_checkpoint(folder: Path) -> Path | None:
@@ -312,17 +323,20 @@ class _Meter:
 class HeadTrainer:
     """Trains a draft head on a :class:`FeatureStore` with the TTT loss."""
 
-    def __init__(self, cfg: TrainHeadConfig, target, store: FeatureStore, ids: set[str] | None = None) -> None:
-        """``ids``: train/validate on these sequences of the store only (default: all)."""
+    def __init__(self, cfg: TrainHeadConfig, target, store: FeatureStore | OnlineFeatures,
+                 ids: set[str] | None = None) -> None:
+        """``ids``: train/validate on these sequences of the store only (default: all). The sequences are
+        taken in id order, so the batch plan does not depend on the order a store was filled in (or on
+        whether the features are stored or online)."""
         self.cfg = cfg
         self.target = target
         self.store = store
         self.out = Path(cfg.out)
         self.device = torch.device(cfg.device)
-        self.train_refs = [r for r in store.split("train") if ids is None or r.id in ids]
-        self.val_refs = [r for r in store.split("val") if ids is None or r.id in ids]
+        self.train_refs = sorted((r for r in store.split("train") if ids is None or r.id in ids), key=lambda r: r.id)
+        self.val_refs = sorted((r for r in store.split("val") if ids is None or r.id in ids), key=lambda r: r.id)
         if not self.train_refs:
-            raise ValueError(f"no training sequences in {store.folder}")
+            raise ValueError(f"no training sequences in {store.folder or 'the corpus'}")
         target.requires_grad_(False)  # the borrowed embeddings stay frozen
         self.head: Eagle3Head | None = None
         self.log_path = self.out / "train_log.jsonl"
@@ -356,7 +370,7 @@ class HeadTrainer:
         return plans, total
 
     def _batch(self, refs: list[SeqRef]) -> dict[str, torch.Tensor]:
-        return collate([self.store.get(r) for r in refs], self.device)
+        return collate(self.store.get_many(refs), self.device)
 
     def _autocast(self):
         enabled = self.cfg.train_dtype == "bfloat16"
@@ -386,8 +400,9 @@ class HeadTrainer:
         if metric is None:
             return
         if all(metric(v) > metric(h) for h in history if h is not v):
-            runs.save_checkpoint(self.out / "best", head, {"step": v["step"], "select": self.cfg.select,
-                                                           "value": metric(v)})
+            runs.save_checkpoint(self.out / "best", head,
+                                 {"step": v["step"], "select": self.cfg.select, "value": metric(v)},
+                                 dtype=getattr(torch, self.cfg.ckpt_dtype))
 
     def best(self) -> dict | None:
         """The state of the kept best weights (``out/best``), if any."""
@@ -488,13 +503,13 @@ class HeadTrainer:
                     t_last = time.perf_counter()
                 if step % cfg.ckpt_every == 0 or step == total:
                     consistent = False  # an interrupted save leaves the previous checkpoint (atomic swap)
-                    save_checkpoint(ckpt_dir, head, opt, state_dict())
+                    save_checkpoint(ckpt_dir, head, opt, state_dict(), cfg.ckpt_dtype)
                     consistent, saved_step = True, step
                     t_last = time.perf_counter()
         except KeyboardInterrupt:
             # Ctrl-C: keep the work done so far (a hard kill falls back to the last periodic checkpoint).
             if consistent and step > saved_step:
-                save_checkpoint(ckpt_dir, head, opt, state_dict())
+                save_checkpoint(ckpt_dir, head, opt, state_dict(), cfg.ckpt_dtype)
                 bar.write(f"interrupted: checkpoint saved at step {step}; rerun with --resume to continue")
             raise
         bar.close()
@@ -541,8 +556,8 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     t0 = time.perf_counter()
     data_stats: dict = {}
     if cfg.corpus:
-        seqs = [s.cut(cfg.max_len) for s in read_corpora(cfg.corpus, cfg.corpus_chunks)]
-        corpora = {f: ChunkedCorpus(f) for f in cfg.corpus.split(",") if f}
+        corpora = open_corpora(cfg.corpus)
+        seqs = [s.cut(cfg.max_len) for s in read_corpora(corpora, cfg.corpus_chunks)]
         totals = {f: c.totals() for f, c in corpora.items()}
         made = [t for f, c in corpora.items() if c.settings.source == "self"  # every chunk's generation
                 for t in totals[f].values()]
@@ -564,10 +579,14 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
 
     t0 = time.perf_counter()
     wanted = {s.id for s in seqs}
-    feature_dir = Path(cfg.features) if cfg.features else out / "features"
-    extract_features(feature_dir, target, seqs, fingerprint=target_fingerprint(target, model_name),
-                     batch_tokens=cfg.batch_tokens)
-    store = FeatureStore(feature_dir)
+    fingerprint = target_fingerprint(target, model_name)
+    store: FeatureStore | OnlineFeatures
+    if cfg.features == "online":
+        store = OnlineFeatures(target, seqs, fingerprint=fingerprint)
+    else:
+        feature_dir = Path(cfg.features) if cfg.features else out / "features"
+        extract_features(feature_dir, target, seqs, fingerprint=fingerprint, batch_tokens=cfg.batch_tokens)
+        store = FeatureStore(feature_dir)
     walls["features"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -585,6 +604,12 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     head.save_pretrained(export, dtype=torch.bfloat16)
     walls["total"] = time.perf_counter() - t_all
 
+    online = isinstance(store, OnlineFeatures)
+    if online:  # this run's target passes (inside the training seconds)
+        feature_seconds, feature_tokens = store.seconds, store.tokens
+    else:  # every extraction into the store
+        feature_seconds = store.meta.get("extraction_seconds", 0.0)
+        feature_tokens = store.meta.get("extracted_tokens", 0)
     final = result["history"][-1] if result["history"] else {}
     if best is not None:
         final = next(h for h in result["history"] if h["step"] == best["step"])
@@ -607,16 +632,16 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
         },
         "throughput": {
             "generation_tokens_per_s": corpus.generation_tokens_per_s,
-            "feature_tokens_per_s": (store.meta.get("extracted_tokens", 0) / store.meta["extraction_seconds"]
-                                     if store.meta.get("extraction_seconds") else None),
+            "feature_tokens_per_s": feature_tokens / feature_seconds if feature_seconds else None,
+            "features_online": online,
             "train_seconds": result["train_seconds"], "steps": result["steps"],
             "train_tokens_per_s_this_run": result["tokens_per_s_this_run"], "ttt_steps": cfg.ttt_steps,
         },
         "wall_time_s_this_run": walls,
-        "stage_seconds_all_runs": {  # summed over interrupted and resumed runs
-            "generation": corpus.generation_seconds, "features": store.meta.get("extraction_seconds", 0.0),
+        "stage_seconds_all_runs": {  # summed over interrupted and resumed runs (online features: in training)
+            "generation": corpus.generation_seconds, "features": 0.0 if online else feature_seconds,
             "training": result["train_seconds"],
-            "total": corpus.generation_seconds + store.meta.get("extraction_seconds", 0.0) + result["train_seconds"]},
+            "total": corpus.generation_seconds + (0.0 if online else feature_seconds) + result["train_seconds"]},
         "validation": {"final": final, "selected": selected, "history": result["history"]},
         "export": str(export),
         "machine": machine_info(),

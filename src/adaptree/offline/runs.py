@@ -172,9 +172,12 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], generator: torch.Generator 
 
 def save_checkpoint(folder: str | os.PathLike, module: torch.nn.Module, state: dict,
                     optimizer: torch.optim.Optimizer | None = None, *, weights: str = "weights.safetensors",
-                    rng: bool = False, generator: torch.Generator | None = None) -> None:
+                    rng: bool = False, generator: torch.Generator | None = None,
+                    dtype: torch.dtype | None = None) -> None:
     """A resumable checkpoint folder: ``weights`` (the module's state dict), ``optimizer.safetensors``
     (:func:`optimizer_tensors`), with ``rng`` ``rng.safetensors`` (:func:`rng_tensors`), and ``state.json``.
+    ``dtype``: the floating-point tensors of the weights and the optimizer are stored in it (``bfloat16``
+    halves a float32 checkpoint; :func:`load_checkpoint` casts them back to the parameters' dtype).
     Atomic: built in ``folder.tmp``, then swapped in; the previous checkpoint stays (as ``folder.old``) until
     the new one is in place (:func:`find_checkpoint` finds it)."""
     folder = Path(folder)
@@ -182,9 +185,11 @@ def save_checkpoint(folder: str | os.PathLike, module: torch.nn.Module, state: d
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_tensors(module.state_dict(), tmp / weights)
+    cast = lambda ts: {k: v.to(dtype) if dtype is not None and v.is_floating_point() and v.dim() else v  # noqa: E731
+                       for k, v in ts.items()}
+    save_tensors(cast(module.state_dict()), tmp / weights)
     if optimizer is not None:
-        save_tensors(optimizer_tensors(optimizer), tmp / OPTIMIZER_FILE)
+        save_tensors(cast(optimizer_tensors(optimizer)), tmp / OPTIMIZER_FILE)
     if rng:
         save_tensors(rng_tensors(generator), tmp / RNG_FILE)
     write_json(state, tmp / STATE_FILE)
