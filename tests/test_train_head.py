@@ -454,6 +454,10 @@ def test_online_features_train_and_resume_from_the_corpus_alone(tiny_run, tmp_pa
     b = load_file(runs["crashed"] / "ckpt" / "weights.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+    # a corpus that changed since the checkpoint (here: four sequences fewer) is refused on resume
+    with pytest.raises(ValueError, match="other training sequences"):
+        train_head(cfg("crashed"), target=target, items=items[:20] + items[24:],
+                   prompt_ids_fn=lambda it: prompts[it.id])
 
 
 def test_trained_head_beats_random_head_in_the_engine(tmp_path):

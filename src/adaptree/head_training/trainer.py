@@ -20,6 +20,7 @@ Training numerics: fp32 master weights, forward under ``torch.autocast`` in ``tr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -337,6 +338,11 @@ class HeadTrainer:
         self.val_refs = sorted((r for r in store.split("val") if ids is None or r.id in ids), key=lambda r: r.id)
         if not self.train_refs:
             raise ValueError(f"no training sequences in {store.folder or 'the corpus'}")
+        digest = hashlib.sha1("\n".join(f"{r.id} {r.length}" for r in self.train_refs).encode()).hexdigest()
+        self.data_key = {"train_sequences": len(self.train_refs),
+                         "train_tokens": sum(r.length for r in self.train_refs), "train_sha1": digest}
+        """What the batch plan is made from: a resumed run must find the same sequences (a corpus that grew
+        since the checkpoint would change every later batch)."""
         target.requires_grad_(False)  # the borrowed embeddings stay frozen
         self.head: Eagle3Head | None = None
         self.log_path = self.out / "train_log.jsonl"
@@ -432,10 +438,15 @@ class HeadTrainer:
         step, epoch, pos, train_seconds = 0, 0, 0, 0.0
         history: list[dict] = []
         if found is not None:
-            differ = runs.differing(runs.checkpoint_state(found)["run"], cfg.run_fields())
+            state_before = runs.checkpoint_state(found)
+            differ = runs.differing(state_before["run"], cfg.run_fields())
             if differ:
                 raise ValueError(f"--resume with settings that differ from the checkpoint's (checkpoint, now): "
                                  f"{differ}; rerun with the checkpoint's settings or start a new --out")
+            if state_before.get("data", self.data_key) != self.data_key:
+                raise ValueError(f"--resume with other training sequences than the checkpoint's (checkpoint, now): "
+                                 f"{runs.differing(state_before['data'], self.data_key)}; a corpus that grew since "
+                                 f"needs --corpus-chunks to stay on the chunks the run started with")
             state = load_checkpoint(found, head, opt)
             step, epoch, pos = state["step"], state["epoch"], state["pos"]
             train_seconds = state["train_seconds"]
@@ -451,7 +462,7 @@ class HeadTrainer:
 
         def state_dict() -> dict:
             return {"step": step, "epoch": epoch, "pos": pos, "train_seconds": train_seconds,
-                    "total_steps": total, "run": cfg.run_fields(), "history": history}
+                    "total_steps": total, "run": cfg.run_fields(), "data": self.data_key, "history": history}
 
         meter = _Meter(cfg.ttt_steps)
         tokens_this_run, seconds_before = 0, train_seconds
