@@ -48,7 +48,8 @@ FEATURE_TOL = 1e-4
 """Largest difference between live and recorded target features (|f| up to about 5 on the tiny models;
 measured differences are below 1e-6)."""
 
-RECORD_FIELDS = ("cycle", "context_len", "width", "depth", "size", "candidates", "accepted", "emitted")
+RECORD_FIELDS = ("cycle", "context_len", "width", "depth", "size", "candidates", "accepted", "emitted", "chain",
+                 "chain_nodes", "chain_accepted")
 """The fields of a :class:`~adaptree.core.records.CycleRecord` a replay must reproduce (the timings are not)."""
 
 
@@ -270,6 +271,9 @@ class Tap(Controller):
         if self._shadow is not None:
             c.cross.append((kind, _out(kind, out), _out(kind, getattr(self._shadow, kind)(*args))))
         return out
+
+    def context_index(self):
+        return self.inner.context_index()
 
     def begin_cycle(self, ctx):
         k = len(self.cycles)

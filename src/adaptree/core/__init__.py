@@ -5,7 +5,8 @@
   engine and by the replay simulator
 - :mod:`.controller`: the controller seam (``TreePlan``, ``CycleContext``, ``Controller``) and the two
   controllers the loop itself needs: autoregressive and the static EAGLE-3 tree
-- :mod:`.tree`: the draft tree (beam expansion, top-V selection, tree mask)
+- :mod:`.tree`: the draft tree (beam expansion, top-V selection, tree mask; a context chain added to it)
+- :mod:`.context`: the context index behind n-gram (prompt-lookup) chains: the longest earlier match
 - :mod:`.verify`: greedy and lossless sampling verification of a tree
 - :mod:`.records`: per-cycle and per-generation records
 - :mod:`.machine`: the machine profile recorded with every result

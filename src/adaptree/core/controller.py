@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from adaptree.core.context import ContextIndex
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 
@@ -21,11 +22,15 @@ MAX_DEPTH = 64
 
 @dataclass(frozen=True)
 class TreePlan:
-    """The shape a cycle starts with: beam width W, maximum depth D (draft forwards) and default V."""
+    """The shape a cycle starts with: beam width W, maximum depth D (draft forwards) and default V, and
+    a chain of tokens from another source (a context match's continuation: :mod:`adaptree.core.context`)
+    verified under the same root, its prefix shared with the head's tree where the tokens agree."""
 
     width: int
     max_depth: int
     size: int
+    chain: tuple[int, ...] = ()
+    """Tokens to verify as one more root-to-leaf path (cut to the context room left after the head's V)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.width <= MAX_WIDTH:
@@ -53,6 +58,9 @@ class CycleContext:
     generated_ids: Sequence[int] = ()
     """Token ids generated so far, the root included (a reference to the engine's growing list: read it in
     ``begin_cycle``, copy it to keep it)."""
+    index: ContextIndex | None = None
+    """The prompt and the generated tokens (root last) as a :class:`~adaptree.core.context.ContextIndex`,
+    for controllers that ask for one (:meth:`Controller.context_index`; None for the others)."""
 
 
 AR_PLAN = TreePlan(1, 0, 0)
@@ -68,6 +76,11 @@ class Controller:
 
     def reset(self) -> None:
         """Called at the start of every generation."""
+
+    def context_index(self) -> ContextIndex | None:
+        """A fresh :class:`~adaptree.core.context.ContextIndex` for a generation when the controller reads
+        :attr:`CycleContext.index` (the loop keeps it up to date), None otherwise (the default: no upkeep)."""
+        return None
 
     def use_latency(self, latency) -> None:
         """This machine's :class:`~adaptree.offline.latency.LatencyModel` (in replay and training: the simulated

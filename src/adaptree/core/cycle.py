@@ -69,9 +69,11 @@ class CycleSource:
         """Draft one more level of ``tree``."""
         raise NotImplementedError
 
-    def verify(self, tree: DraftTree | None, v: int, rec: CycleRecord) -> tuple[int, list[int]]:
-        """Verify the root and ``tree``'s top-``v`` candidates (``v`` already clamped; no tree: the root
-        alone), accept, move to the next root; return (accepted draft tokens, new tokens incl. the bonus)."""
+    def verify(self, tree: DraftTree | None, v: int, chain: Sequence[int], rec: CycleRecord) -> tuple[int, list[int]]:
+        """Verify the root, ``tree``'s top-``v`` candidates (``v`` already clamped; no tree: the root
+        alone) and ``chain`` as one more path (:func:`~adaptree.core.tree.add_chain`; already cut to the
+        room; set ``rec.chain_nodes``), accept, move to the next root; return (accepted draft tokens, new
+        tokens incl. the bonus)."""
         raise NotImplementedError
 
     def close(self, rec: CycleRecord, t_cycle: float) -> None:
@@ -95,6 +97,7 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
     """
     use_draft = ctl.uses_draft
     max_len = src.max_len
+    index = ctl.context_index()
     while True:
         L = src.context_len()
         room = max_len - L  # target slots left for the root and the verified nodes
@@ -103,8 +106,11 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
         t_cycle = clock()
         rec = CycleRecord(cycle=len(cycles), context_len=L, width=0, depth=0, size=0, candidates=0, accepted=0,
                           emitted=0)
-        ctx = CycleContext(rec.cycle, L, len(tokens), src.start_cycle(), prompt_ids, tokens)
+        features = src.start_cycle()
         t0 = clock()
+        if index is not None:  # the index's upkeep counts as the controller's time
+            index.sync(prompt_ids, tokens)
+        ctx = CycleContext(rec.cycle, L, len(tokens), features, prompt_ids, tokens, index)
         plan = ctl.begin_cycle(ctx)
         rec.policy_s += clock() - t0
         rec.width = plan.width
@@ -134,8 +140,15 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
                 src.warn_clamp = False
             v = min(v, tree.num_candidates, room - 1)
         rec.size = v
+        chain = plan.chain[:max(0, room - 1 - v)]  # the root and the head's V nodes come first
+        rec.chain = len(chain)
 
-        rec.accepted, new = src.verify(tree, v, rec)
+        rec.accepted, new = src.verify(tree, v, chain, rec)
+        if chain:
+            k = 0
+            while k < min(rec.accepted, len(chain)) and new[k] == chain[k]:
+                k += 1
+            rec.chain_accepted = k
         before = len(tokens)
         stop = emit(tokens, new, max_new_tokens, eos)
         rec.emitted = len(tokens) - before

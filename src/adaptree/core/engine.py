@@ -24,7 +24,7 @@ import torch
 from adaptree.core.controller import AutoregressiveController, Controller
 from adaptree.core.cycle import CycleSource, emit, run_cycles
 from adaptree.core.records import CycleRecord, GenerationResult
-from adaptree.core.tree import DraftStep, DraftTree, root_only_tree
+from adaptree.core.tree import DraftStep, DraftTree, add_chain, is_chain, root_only_tree
 from adaptree.core.verify import SamplingConfig, sample_token, verify
 
 TREE_SLOTS = 4096
@@ -159,16 +159,19 @@ class _ModelSource(CycleSource):
         rec.draft_s += time.perf_counter() - t0
         return step
 
-    def verify(self, tree: DraftTree | None, v: int, rec: CycleRecord) -> tuple[int, list[int]]:
+    def verify(self, tree: DraftTree | None, v: int, chain: Sequence[int],
+               rec: CycleRecord) -> tuple[int, list[int]]:
         L = self.cache.length
         if tree is not None:
             vtree = tree.select(v)
             tree.discard()
         else:
             vtree = root_only_tree(self.root, L, self.dev)
+        if chain:
+            vtree, rec.chain_nodes = add_chain(vtree, chain)
         t0 = time.perf_counter()
         out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
-                          tree_mask=vtree.mask if vtree.size else None, features=self.use_draft)
+                          tree_mask=None if is_chain(vtree) else vtree.mask, features=self.use_draft)
         acc = verify(vtree, out.logits[0], self.sampling, self.gen)
         synchronize(self.dev)
         rec.verify_s = time.perf_counter() - t0

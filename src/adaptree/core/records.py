@@ -23,6 +23,12 @@ class CycleRecord:
     """Accepted draft tokens (the bonus token not included)."""
     emitted: int
     """Tokens this cycle added to the output (accepted + 1, less when EOS / the token limit cut it)."""
+    chain: int = 0
+    """Tokens of the plan's chain verified (:attr:`~adaptree.core.controller.TreePlan.chain`, cut to the room)."""
+    chain_nodes: int = 0
+    """Nodes the chain added to the verified tree (its prefix shared with the head's tree is not added)."""
+    chain_accepted: int = 0
+    """Accepted tokens that were the chain's first tokens (the chain's accepted length)."""
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0

@@ -12,6 +12,7 @@ far = number of node levels, V = number of draft nodes sent to the target (the r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -257,6 +258,45 @@ class DraftTree:
         all_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[sel]])
         return VerifyTree(all_tokens, all_par, all_depth, self.context_len + all_depth,
                           ancestor_mask(all_par, all_depth))
+
+
+def add_chain(tree: VerifyTree, chain: Sequence[int]) -> tuple[VerifyTree, int]:
+    """``tree`` with ``chain`` as one more root-to-leaf path: the chain walks down the nodes whose tokens it
+    shares (a child with the same token, the first such child), then its remaining tokens become new nodes
+    (appended: the order stays topological). Returns the tree and the number of nodes added."""
+    if not chain:
+        return tree, 0
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    child: dict[tuple[int, int], int] = {}
+    for node in range(len(tokens) - 1, 0, -1):  # the first child with a token wins
+        child[(parents[node], tokens[node])] = node
+    cur, k = 0, 0
+    while k < len(chain) and (cur, int(chain[k])) in child:
+        cur = child[(cur, int(chain[k]))]
+        k += 1
+    rest = [int(t) for t in chain[k:]]
+    if not rest:
+        return tree, 0
+    dev, n = tree.tokens.device, len(tokens)
+    start = int(tree.depth[cur])
+    new_par = torch.tensor([cur] + list(range(n, n + len(rest) - 1)), dtype=torch.long, device=dev)
+    new_depth = torch.arange(start + 1, start + 1 + len(rest), dtype=torch.long, device=dev)
+    parents_t = torch.cat([tree.parents, new_par])
+    depth_t = torch.cat([tree.depth, new_depth])
+    m = len(rest)
+    mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=dev)
+    mask[:n, :n] = tree.mask
+    mask[n:, :n] = tree.mask[cur]  # the chain's new nodes see the shared path ...
+    mask[n:, n:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()  # ... and their own chain
+    base = tree.positions[0] - tree.depth[0]
+    return VerifyTree(torch.cat([tree.tokens, torch.tensor(rest, dtype=torch.long, device=dev)]), parents_t,
+                      depth_t, base + depth_t, mask), m
+
+
+def is_chain(tree: VerifyTree) -> bool:
+    """Every node's parent is the node before it: the tree is one path and a causal mask is its tree mask."""
+    n = tree.tokens.numel()
+    return bool((tree.parents[1:] == torch.arange(n - 1, device=tree.parents.device)).all()) if n > 1 else True
 
 
 def root_only_tree(root: int, context_len: int, device="cpu") -> VerifyTree:

@@ -1,5 +1,6 @@
 """Methods: one folder per method, all plugged into the one engine loop through the controller seam.
 
+- :mod:`.ngram`: prompt-lookup drafting from the context, no draft head
 - :mod:`.static`: ``static-gs`` (the static tree a measured grid search chose) and that grid search; the
   static EAGLE-3 tree and the autoregressive baseline themselves are the seam's defaults
   (:mod:`adaptree.core.controller`)
@@ -27,6 +28,7 @@ from adaptree.core.controller import (AutoregressiveController, Controller, Cycl
                                       StaticController, TreePlan)
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
+from adaptree.methods.ngram import NgramConfig, NgramController
 from adaptree.methods.radar.controller import RadarConfig, RadarController
 from adaptree.methods.resps.controller import ReSpSConfig, ReSpSController
 from adaptree.methods.rules.ddd import DDDConfig, DDDController
@@ -39,7 +41,8 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "StaticController", "DeagleConfig", "DeagleController", "DDDConfig", "DDDController", "SVIPConfig",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
-           "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
+           "NgramController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories"]
 
 
@@ -130,6 +133,7 @@ _TUNED_ASSET = Asset("tuned", "static_gs.json", "tuned static tree", "--tuned",
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ar", None, AutoregressiveController),
     Method("static", StaticConfig, StaticController),
+    Method("ngram", NgramConfig, NgramController),
     Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,), machine_options=("tuned",)),
     Method("costaware", CostAwareConfig, CostAwareController, machine_options=("latency", "acceptance")),
     Method("deagle", DeagleConfig, DeagleController),

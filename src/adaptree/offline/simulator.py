@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -27,7 +27,7 @@ import torch
 from adaptree.core.controller import Controller
 from adaptree.core.cycle import CycleSource, emit, run_cycles
 from adaptree.core.records import CycleRecord
-from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.core.tree import DraftStep, DraftTree, add_chain, root_only_tree
 from adaptree.offline.latency import LatencyModel
 from adaptree.offline.traces import (
     PromptTrace,
@@ -208,7 +208,8 @@ class _ReplaySource(CycleSource):
     def draft_more(self, tree: DraftTree, rec: CycleRecord) -> DraftStep:
         return tree.step()
 
-    def verify(self, tree: DraftTree | None, v: int, rec: CycleRecord) -> tuple[int, list[int]]:
+    def verify(self, tree: DraftTree | None, v: int, chain: Sequence[int],
+               rec: CycleRecord) -> tuple[int, list[int]]:
         trace, j = self.trace, self.j
         acc = 0
         if v > 0:  # a tree was drafted this cycle, from self.wt
@@ -216,6 +217,14 @@ class _ReplaySource(CycleSource):
             if wt.width not in self.matches:
                 self.matches[wt.width] = match_mask(wt, trace.output, np.arange(trace.end))
             acc = _accepted(wt, j, tree.depth, v, self.matches[wt.width][j], tree)
+        if chain:  # greedy: the chain's accepted prefix is where it leaves the recorded output (a chain longer
+            # than the trace's look-ahead is credited up to it in a generation's last cycles)
+            vtree = tree.select(v) if tree is not None else root_only_tree(self.y[j], self.n + j)
+            rec.chain_nodes = add_chain(vtree, chain)[1]
+            y, k = self.y, 0
+            while k < len(chain) and j + 2 + k < len(y) and chain[k] == y[j + 1 + k]:
+                k += 1
+            acc = max(acc, k)
         new = self.y[j + 1:j + acc + 2]
         if len(new) != acc + 1:
             raise RuntimeError(f"trace {trace.key!r}: the recorded output ends before position {j + acc + 1}")
@@ -226,7 +235,7 @@ class _ReplaySource(CycleSource):
         lat = self.lat
         if lat is not None:
             rec.draft_s = lat.draft_time(rec.width, rec.depth, rec.context_len)
-            rec.verify_s = lat.verify_time(rec.size, rec.context_len)
+            rec.verify_s = lat.verify_time(rec.size + rec.chain_nodes, rec.context_len)
             rec.other_s = lat.other_s
 
 

@@ -1,0 +1,103 @@
+"""Where the text being generated repeats its own context: the index behind n-gram (prompt-lookup) drafts.
+
+A :class:`ContextIndex` holds the prompt and the tokens generated so far and, for every n-gram of up to
+``max_ngram`` tokens, where it ended. :meth:`ContextIndex.match` finds the longest suffix of the context
+that occurred before (tried from ``max_ngram`` tokens down; a match of ``max_ngram`` tokens is extended
+backwards token by token up to ``max_match``) and returns what followed its most recent earlier occurrence:
+the continuation a draft can propose, with the match length and how often the matched n-gram occurred.
+
+Costs: :meth:`ContextIndex.extend` is O(``max_ngram``) dictionary updates per token, so a generation pays
+O(new tokens) per cycle (the prompt once, on the first cycle); :meth:`ContextIndex.match` is
+O(``max_ngram`` + the extension + the continuation). Candidates are a function of the context alone, so a
+greedy replay of a trace proposes exactly what the live run proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ContextMatch:
+    """The longest earlier occurrence of the context's suffix, and what followed it."""
+
+    length: int
+    """Tokens of the suffix that match (at most the index's ``max_match``)."""
+    count: int
+    """Earlier occurrences of the suffix's last ``min(length, max_ngram)`` tokens."""
+    position: int
+    """Index in the context of the first continuation token (after the most recent earlier occurrence)."""
+    tokens: tuple[int, ...]
+    """The continuation: the tokens after that occurrence (up to the ``max_tokens`` asked for)."""
+
+
+class ContextIndex:
+    """An incrementally updated n-gram index over a growing token sequence (see the module docstring).
+
+    :param max_ngram: longest n-gram indexed (a longer match is found by extending a ``max_ngram`` one).
+    :param max_match: longest match length reported (the backwards extension stops there).
+    """
+
+    def __init__(self, max_ngram: int = 8, max_match: int = 64) -> None:
+        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
+        if isinstance(max_match, bool) or not isinstance(max_match, int) or max_match < max_ngram:
+            raise ValueError(f"max_match must be an integer >= max_ngram ({max_ngram}), got {max_match!r}")
+        self.max_ngram, self.max_match = max_ngram, max_match
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._prompt_len = 0  # what sync() indexed of the prompt and of the generated tokens
+        self._generated = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, new: Iterable[int]) -> None:
+        """Append tokens to the context and index the n-grams that end at each of them."""
+        toks, ends, n_max = self.tokens, self._ends, self.max_ngram
+        for t in new:
+            toks.append(int(t))
+            i = len(toks) - 1
+            for n in range(1, min(n_max, i + 1) + 1):
+                key = tuple(toks[i - n + 1:i + 1])
+                at = ends.get(key)
+                if at is None:
+                    ends[key] = [i]
+                else:
+                    at.append(i)
+
+    def sync(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        """Make the context ``prompt + generated``, where ``generated`` only grew since the last call (the
+        engine's output list): indexes the new tokens only."""
+        if not self._prompt_len and not self._generated:
+            self.extend(prompt)
+            self._prompt_len = len(prompt)
+        elif len(prompt) != self._prompt_len or len(generated) < self._generated:
+            raise ValueError("ContextIndex.sync: the prompt changed or the generated tokens shrank; use a new index")
+        self.extend(generated[self._generated:])
+        self._generated = len(generated)
+
+    def match(self, max_tokens: int, min_ngram: int = 1) -> ContextMatch | None:
+        """The longest suffix of the context, at least ``min_ngram`` tokens, that occurred before, and up to
+        ``max_tokens`` tokens that followed its most recent earlier occurrence; None if there is none."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if min_ngram < 1:
+            raise ValueError(f"min_ngram must be >= 1, got {min_ngram}")
+        toks = self.tokens
+        last = len(toks) - 1
+        for n in range(min(self.max_ngram, last), min_ngram - 1, -1):
+            ends = self._ends.get(tuple(toks[last - n + 1:]))
+            if ends is None or len(ends) < 2:  # the suffix itself is the last entry
+                continue
+            p = ends[-2]
+            length = n
+            if n == self.max_ngram:
+                while length < self.max_match and p - length >= 0 and toks[p - length] == toks[last - length]:
+                    length += 1
+            return ContextMatch(length, len(ends) - 1, p + 1, tuple(toks[p + 1:p + 1 + max_tokens]))
+        return None
+
+
+__all__ = ["ContextIndex", "ContextMatch"]
