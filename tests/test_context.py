@@ -34,7 +34,9 @@ def brute_match(toks, max_tokens, min_ngram, max_ngram, max_match):
         if n == max_ngram:
             while length < max_match and p - length >= 0 and toks[p - length] == toks[last - length]:
                 length += 1
-        return length, len(ends), p + 1, tuple(toks[p + 1:p + 1 + max_tokens])
+        period = last - p  # the continuation goes on repeating past the context's end
+        return length, len(ends), p + 1, tuple(toks[p + 1 + i] if p + 1 + i <= last else toks[p + 1 + i - period *
+                                                 ((p + 1 + i - last - 1) // period + 1)] for i in range(max_tokens))
     return None
 
 
@@ -59,6 +61,9 @@ def test_index_on_text_that_repeats_and_bad_input():
     idx.extend([7, 1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
     m = idx.match(4)
     assert (m.length, m.count, m.position, m.tokens) == (3, 1, 4, (4, 5, 9, 9))
+    loop = ContextIndex(max_ngram=2)
+    loop.extend([8, 1, 2, 3, 1, 2, 3, 1, 2])  # a loop of period 3: its continuation repeats past the end
+    assert loop.match(7).tokens == (3, 1, 2, 3, 1, 2, 3)
     idx.extend([4])  # the match extends past max_ngram, backwards
     assert idx.match(2).length == 4 and idx.match(2).tokens == (5, 9)
     assert ContextIndex().match(3) is None  # empty

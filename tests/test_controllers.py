@@ -286,6 +286,9 @@ def test_cli_flags_reach_every_method(tmp_path):
 
     LatencyModel([1e-3, 0, 0, 0], [2e-3, 1e-4, 0, 0]).save(tmp_path / "latency.json")
     AcceptanceCalibration([-5.0, 0.0], [0.1, 0.9], [0.6, 0.2]).save(tmp_path / "acceptance.json")
+    from adaptree.methods.hybrid import ChainCalibration
+
+    ChainCalibration(3, [1, 4], [[0.5, 0.4], [0.9, 0.9]]).save(tmp_path / "chain.json")
     p = build_parser()
     args = p.parse_args(["bench", "-W", "4", "--costaware-latency", str(tmp_path / "latency.json"),
                          "--costaware-acceptance", str(tmp_path / "acceptance.json"), "--costaware-probe-every", "3",
@@ -293,7 +296,10 @@ def test_cli_flags_reach_every_method(tmp_path):
                          "--ddd-threshold", "-0.5", "--ddd-check-depths", "3,4", "--svip-min-entropy", "0.4",
                          "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar"),
                          "--ltd-depth-policy", str(tmp_path / "ltd-depth"),
-                         "--ltd-size-policy", str(tmp_path / "ltd-size"), "--resps-policy", str(tmp_path / "resps")])
+                         "--ltd-size-policy", str(tmp_path / "ltd-size"), "--resps-policy", str(tmp_path / "resps"),
+                         "--hybrid-latency", str(tmp_path / "latency.json"), "--hybrid-acceptance",
+                         str(tmp_path / "acceptance.json"), "--hybrid-chain", str(tmp_path / "chain.json"),
+                         "--hybrid-max-n", "3", "--hybrid-chain-tokens", "9", "--ngram-min-n", "1"])
     built = {}
     for m in METHODS:  # as bench does: one args object, method set per arm
         args.method = m
@@ -312,6 +318,9 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert built["resps"].config.interval == 30 and len(built["resps"].plans) == 177
     ca = built["costaware"]
     assert (ca.config.width, ca.config.probe_every) == (4, 3) and ca.calibration.alpha == 0.6
+    hy = built["hybrid"]
+    assert (hy.config.width, hy.config.chain_tokens, hy.context_index().max_ngram) == (4, 9, 3)
+    assert hy.chain_cal.rates.shape == (2, 2) and built["ngram"].config.min_n == 1
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--depth", "18", "--deagle-min-votes", "3"])
     assert build_controller(args, head=object()).config.depth == 18
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])

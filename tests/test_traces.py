@@ -140,8 +140,9 @@ def test_end_cycle_state_replay_equals_live(models, traces):
 
 
 # static-gs = static + a file; learned methods need trained policy files (their replay tests: test_radar.py,
-# test_ltd.py); costaware needs this machine's files (its replay test: test_costaware.py)
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("static", "static-gs", "costaware") + LEARNED])
+# test_ltd.py); costaware and hybrid need this machine's files (their replay tests: test_costaware.py, test_hybrid.py)
+@pytest.mark.parametrize("method", [m for m in METHODS
+                                    if m not in ("static", "static-gs", "costaware", "hybrid") + LEARNED])
 def test_every_registered_method_replays_live(models, traces, method):
     assert_replays_live(models, traces, lambda: make_controller(method))
 

@@ -298,6 +298,9 @@ class Tap(Controller):
             None if logp is None else logp.clone(),)
         return self._call("choose_size", tree, plan)
 
+    def choose_chain(self, tree, plan, size):
+        return self._call("choose_chain", tree, plan, size)
+
     def end_cycle(self, record):
         c = self.cycles[-1]
         c.record = dataclasses.replace(record)

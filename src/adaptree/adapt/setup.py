@@ -213,11 +213,13 @@ instead of the policies shipped next to the head once it exists)."""
 
 
 def machine_assets(folder: Path, acceptance: Path | None) -> dict[str, str]:
-    """The files of a setup folder as method options: ``latency``, ``tuned`` and (when they exist) ``acceptance``
-    and this machine's own retrained policies (:data:`MACHINE_POLICIES`)."""
+    """The files of a setup folder as method options: ``latency``, ``tuned`` and (when they exist) ``acceptance``,
+    ``chain`` (next to it) and this machine's own retrained policies (:data:`MACHINE_POLICIES`)."""
     out = {"latency": str(folder / "latency.json"), "tuned": str(folder / "static_gs.json")}
     if acceptance is not None and acceptance.is_file():
         out["acceptance"] = str(acceptance)
+    if acceptance is not None and acceptance.with_name("chain.json").is_file():
+        out["chain"] = str(acceptance.with_name("chain.json"))
     for option, sub in MACHINE_POLICIES.items():
         if (folder / sub / "config.json").is_file():
             out[option] = str(folder / sub)
@@ -279,12 +281,16 @@ def _traces(pipeline, cfg: AdaptConfig, folder: Path | None, prompt_ids, progres
 
 
 def _acceptance(folder: Path, traces) -> Path:
-    """``costaware``'s acceptance calibration of the traces in ``folder`` (fitted once, kept next to them)."""
+    """``costaware``'s acceptance calibration of the traces in ``folder`` and ``hybrid``'s chain calibration
+    (``chain.json``; fitted once, kept next to them)."""
     from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+    from adaptree.methods.hybrid.chain import ChainCalibration
 
     path = folder / "acceptance.json"
     if not path.is_file():
         AcceptanceCalibration.fit(traces).save(path)
+    if not (folder / "chain.json").is_file():
+        ChainCalibration.fit(traces).save(folder / "chain.json")
     return path
 
 

@@ -4,7 +4,8 @@ A :class:`ContextIndex` holds the prompt and the tokens generated so far and, fo
 ``max_ngram`` tokens, where it ended. :meth:`ContextIndex.match` finds the longest suffix of the context
 that occurred before (tried from ``max_ngram`` tokens down; a match of ``max_ngram`` tokens is extended
 backwards token by token up to ``max_match``) and returns what followed its most recent earlier occurrence:
-the continuation a draft can propose, with the match length and how often the matched n-gram occurred.
+the continuation a draft can propose (always ``max_tokens`` long: past the context's end a repeat goes on
+with its period), with the match length and how often the matched n-gram occurred.
 
 Costs: :meth:`ContextIndex.extend` is O(``max_ngram``) dictionary updates per token, so a generation pays
 O(new tokens) per cycle (the prompt once, on the first cycle); :meth:`ContextIndex.match` is
@@ -29,7 +30,8 @@ class ContextMatch:
     position: int
     """Index in the context of the first continuation token (after the most recent earlier occurrence)."""
     tokens: tuple[int, ...]
-    """The continuation: the tokens after that occurrence (up to the ``max_tokens`` asked for)."""
+    """The continuation: the ``max_tokens`` tokens after that occurrence. Where they run past the context's end
+    (the occurrence overlaps the suffix, as in a loop), the text is taken to go on repeating with its period."""
 
 
 class ContextIndex:
@@ -96,7 +98,10 @@ class ContextIndex:
             if n == self.max_ngram:
                 while length < self.max_match and p - length >= 0 and toks[p - length] == toks[last - length]:
                     length += 1
-            return ContextMatch(length, len(ends) - 1, p + 1, tuple(toks[p + 1:p + 1 + max_tokens]))
+            cont = toks[p + 1:p + 1 + max_tokens]
+            while len(cont) < max_tokens:  # the occurrence overlaps the suffix: the text repeats with period
+                cont.append(cont[len(cont) - (last - p)])  # last - p, and the continuation goes on repeating
+            return ContextMatch(length, len(ends) - 1, p + 1, tuple(cont))
         return None
 
 

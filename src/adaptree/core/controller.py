@@ -98,6 +98,11 @@ class Controller:
         """Once drafting stopped: how many draft nodes V to verify."""
         return plan.size
 
+    def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
+        """When the plan has a chain: how many of its first tokens to verify along with the head's ``size``
+        nodes (``tree``: None when nothing was drafted). Default: all of them."""
+        return len(plan.chain)
+
     def end_cycle(self, record: CycleRecord) -> None:
         """After verification, with the accepted length and the cycle's timings."""
 

@@ -2,9 +2,9 @@
 
 :func:`run_cycles` is the only copy of a generation's cycle bookkeeping: the controller calls in their
 order (``begin_cycle`` -> ``TreePlan``, ``continue_drafting(DraftStep)`` after each level while
-``depth < plan.max_depth``, ``choose_size(tree, plan)``, ``end_cycle(record)``), the clamps (V to the
-candidates and to the context room), the stop rules (:func:`emit`: EOS kept, ``max_new_tokens``; the
-context limit), and the :class:`~adaptree.core.controller.CycleContext` and
+``depth < plan.max_depth``, ``choose_size(tree, plan)``, ``choose_chain`` when the plan has a chain,
+``end_cycle(record)``), the clamps (V to the candidates, V and the chain to the context room), the stop
+rules (:func:`emit`: EOS kept, ``max_new_tokens``; the context limit), and the :class:`~adaptree.core.controller.CycleContext` and
 :class:`~adaptree.core.records.CycleRecord` of every cycle.
 
 Where the tokens come from is a :class:`CycleSource`: the live models
@@ -140,7 +140,14 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
                 src.warn_clamp = False
             v = min(v, tree.num_candidates, room - 1)
         rec.size = v
-        chain = plan.chain[:max(0, room - 1 - v)]  # the root and the head's V nodes come first
+        chain: Sequence[int] = ()
+        if plan.chain:
+            t0 = clock()
+            k = int(ctl.choose_chain(tree, plan, v))
+            rec.policy_s += clock() - t0
+            if k < 0:
+                raise ValueError(f"controller {ctl.name!r} chose a negative chain length {k}")
+            chain = plan.chain[:min(k, max(0, room - 1 - v))]  # the root and the head's V nodes come first
         rec.chain = len(chain)
 
         rec.accepted, new = src.verify(tree, v, chain, rec)

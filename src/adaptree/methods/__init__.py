@@ -1,6 +1,7 @@
 """Methods: one folder per method, all plugged into the one engine loop through the controller seam.
 
 - :mod:`.ngram`: prompt-lookup drafting from the context, no draft head
+- :mod:`.hybrid`: the head's tree and a context chain in one verification, sized per cycle by costaware's rule
 - :mod:`.static`: ``static-gs`` (the static tree a measured grid search chose) and that grid search; the
   static EAGLE-3 tree and the autoregressive baseline themselves are the seam's defaults
   (:mod:`adaptree.core.controller`)
@@ -28,6 +29,7 @@ from adaptree.core.controller import (AutoregressiveController, Controller, Cycl
                                       StaticController, TreePlan)
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
+from adaptree.methods.hybrid import HybridConfig, HybridController
 from adaptree.methods.ngram import NgramConfig, NgramController
 from adaptree.methods.radar.controller import RadarConfig, RadarController
 from adaptree.methods.resps.controller import ReSpSConfig, ReSpSController
@@ -42,7 +44,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
-           "NgramController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "NgramController", "HybridConfig", "HybridController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories"]
 
 
@@ -136,6 +138,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ngram", NgramConfig, NgramController),
     Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,), machine_options=("tuned",)),
     Method("costaware", CostAwareConfig, CostAwareController, machine_options=("latency", "acceptance")),
+    Method("hybrid", HybridConfig, HybridController, machine_options=("latency", "acceptance", "chain")),
     Method("deagle", DeagleConfig, DeagleController),
     Method("ddd", DDDConfig, DDDController),
     Method("svip", SVIPConfig, SVIPController),

@@ -126,11 +126,11 @@ class CostAwareController(Controller):
                  calibration: AcceptanceCalibration | None = None) -> None:
         self.config = cfg = config or CostAwareConfig()
         self.latency = latency_model if latency_model is not None else _load(
-            cfg.latency, "latency model", "latency", "make one with `adaptree calibrate`", load_checked)
+            cfg.latency, "latency model", "latency", "make one with `adaptree calibrate`", load_checked, self.name)
         self.calibration = calibration if calibration is not None else _load(
             cfg.acceptance, "acceptance calibration", "acceptance",
             "fit one with adaptree.methods.costaware.AcceptanceCalibration.fit(traces).save(PATH)",
-            AcceptanceCalibration.load)
+            AcceptanceCalibration.load, self.name)
         self.plan = cfg.plan()
         self.rates = self.calibration.rates(cfg.width)
         self._sizes = np.arange(cfg.max_size + 1)
@@ -210,7 +210,13 @@ class CostAwareController(Controller):
         # Predicted advantage over an AR step at the same lambda: [1 + gain - lam*(depth*step + verify(V) + other)]
         # - [1 - lam*(verify(0) + other)] = value - lam*(depth*step - verify(0)).
         adv = value - lam * (tree.depth * self.step_s - float(self.verify_s[0]))
-        self.last_size, self.last_expected, self.last_advantage = v, 1.0 + float(p[:v].sum()), adv
+        self._drafted(v, 1.0 + float(p[:v].sum()), adv)
+        return v
+
+    def _drafted(self, v: int, expected: float, adv: float) -> None:
+        """A drafted cycle chose ``v`` nodes expected to emit ``expected`` tokens, with the predicted advantage
+        ``adv`` over an AR step: update the AR-mode state (probe outcome, or the advantage's moving average)."""
+        self.last_size, self.last_expected, self.last_advantage = v, expected, adv
         beta = self.config.smoothing
         if self.probing:
             if adv > 0:
@@ -221,11 +227,11 @@ class CostAwareController(Controller):
             self.advantage = adv if self.advantage is None else (1 - beta) * self.advantage + beta * adv
             if self.advantage < 0:
                 self.ar_mode, self.ar_cycles = True, 0
-        return v
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.config.timing == "model":
-            seconds = self.latency.cycle_time(record.width, record.depth, record.size, record.context_len)
+            seconds = self.latency.cycle_time(record.width, record.depth, record.size + record.chain_nodes,
+                                              record.context_len)
         else:
             seconds = record.draft_s + record.verify_s + record.other_s
         if seconds <= 0:  # no timings (a replay without a latency model): keep lambda
@@ -236,10 +242,10 @@ class CostAwareController(Controller):
         self.rate = self.tok_avg / self.sec_avg if self.sec_avg > 0 else 0.0
 
 
-def _load(path: str | None, what: str, option: str, remedy: str, loader):
+def _load(path: str | None, what: str, option: str, remedy: str, loader, method: str = "costaware"):
     if not path:
-        raise ValueError(f"method 'costaware' needs a {what}: pass one to CostAwareController or set the config's "
-                         f"{option!r} (--costaware-{option} FILE); {remedy}")
+        raise ValueError(f"method {method!r} needs a {what}: pass one to its controller or set the config's "
+                         f"{option!r} (--{method}-{option} FILE); {remedy}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} {str(path)!r} (costaware {option!r}) does not exist; {remedy}")
+        raise FileNotFoundError(f"{what} {str(path)!r} ({method} {option!r}) does not exist; {remedy}")
     return loader(path)

@@ -1,0 +1,253 @@
+"""The hybrid method (methods/hybrid): the chain calibration (fit checked by an independent count, files, strict
+loading), the joint (V, chain length) decision against brute force, losslessness on the live engine, exact replay
+and its behaviour in the simulator, on the tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import N_NEW, PROMPTS
+from test_context import brute_match
+from test_costaware import CPU, DEAR, LINEAR, SETTINGS, lat
+from test_traces import assert_replays_live
+from test_traces import traces as replay_traces  # noqa: F401 (the fixture of the replay tests)
+
+from adaptree.core.context import ContextIndex, ContextMatch
+from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
+from adaptree.core.engine import Engine
+from adaptree.methods import make_controller
+from adaptree.methods.costaware import AcceptanceCalibration, CostAwareConfig, CostAwareController
+from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
+from adaptree.offline.simulator import simulate
+from adaptree.offline.traces import record_trace
+
+REPEATING = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, head = models
+    return [record_trace(target, head, p, settings=SETTINGS, key=f"p{i}") for i, p in enumerate(PROMPTS + REPEATING)]
+
+
+@pytest.fixture(scope="module")
+def cal(traces):
+    return AcceptanceCalibration.fit(traces)
+
+
+@pytest.fixture(scope="module")
+def chain_cal(traces):
+    return ChainCalibration.fit(traces)
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+def test_chain_rates_are_the_counted_acceptances(traces):
+    fit = ChainCalibration.fit(traces, max_ngram=3, max_tokens=6, edges=(1, 2, 4), smoothing=0.0)
+    hits, trials = np.zeros((3, 6)), np.zeros((3, 6))
+    for t in traces:
+        y = t.output.tolist()
+        for j in range(t.end):
+            m = brute_match(t.prompt.tolist() + y[:j + 1], 6, 1, 3, 4)
+            if m is None:
+                continue
+            b = 0 if m[0] < 2 else 1 if m[0] < 4 else 2
+            for i, tok in enumerate(m[3]):
+                if j + 1 + i >= len(y):
+                    break
+                trials[b, i] += 1
+                if tok != y[j + 1 + i]:
+                    break
+                hits[b, i] += 1
+    assert fit.trials.tolist() == trials.tolist() and trials.sum() > 50
+    np.testing.assert_allclose(fit.rates, np.divide(hits, trials, out=np.zeros_like(hits), where=trials > 0))
+    assert fit.samples > 0 and fit.fingerprints["model"]
+
+
+def test_probs_are_cumulative_products_per_bucket():
+    cal = ChainCalibration(2, [1, 3], [[0.5, 0.5, 0.5], [0.9, 0.8, 0.7]])
+    m = ContextMatch(length=1, count=1, position=0, tokens=(1, 2, 3, 4))
+    np.testing.assert_allclose(cal.probs(m), [0.5, 0.25, 0.125, 0.0625])  # past the rates: the last one
+    np.testing.assert_allclose(cal.probs(ContextMatch(5, 1, 0, (1, 2))), [0.9, 0.72])
+    assert cal.probs(None).size == 0 and cal.bucket(2) == 0 and cal.bucket(3) == 1
+
+
+def test_chain_file_round_trip_and_strict_loading(chain_cal, tmp_path):
+    p = tmp_path / "chain.json"
+    chain_cal.save(p)
+    back = ChainCalibration.load(p)
+    np.testing.assert_allclose(back.rates, chain_cal.rates, atol=1e-6)
+    assert back.trials.tolist() == chain_cal.trials.tolist() and back.max_ngram == chain_cal.max_ngram
+    d = json.loads(p.read_text())
+    for edit, match in [(lambda d: d.pop("rates"), "missing fields"), (lambda d: d.update(extra=1), "unknown"),
+                        (lambda d: d.update(version=9), "version"), (lambda d: d.update(edges=[2, 3]), "edges"),
+                        (lambda d: d["rates"][0].__setitem__(0, 1.5), "probabilities")]:
+        bad = json.loads(json.dumps(d))
+        edit(bad)
+        p.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            ChainCalibration.load(p)
+    p.write_text("not json")
+    with pytest.raises(ValueError, match="not a JSON chain calibration"):
+        ChainCalibration.load(p)
+
+
+# ------------------------------------------------------------------------------------------ decisions
+
+SURE = ChainCalibration(4, [1], [[0.95] * 16])
+NEVER = ChainCalibration(4, [1], [[0.01] * 16])
+
+
+class FakeTree:
+    """Candidates: tokens, parents (-1: the root's children), scores; depth."""
+
+    def __init__(self, tokens, parents, scores, depth):
+        self.t, self.p, self.s, self.depth = (torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores),
+                                              depth)
+
+    def candidate_scores(self):
+        return self.s
+
+    def candidate_tokens(self):
+        return self.t
+
+    def candidate_parents(self):
+        return self.p
+
+
+def hybrid(chain=SURE, **cfg):
+    return HybridController(HybridConfig(**{"width": 2, "max_depth": 4, "max_size": 10, "probe_every": 4, **cfg}),
+                            lat(), LINEAR, chain)
+
+
+def context(tokens):
+    idx = ContextIndex(max_ngram=4)
+    idx.extend(tokens)
+    return CycleContext(0, 20, 1, None, tokens, [], idx)
+
+
+def test_a_sure_chain_is_verified_and_a_hopeless_one_is_not():
+    toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]  # the suffix 1 2 3 occurred: the chain is 4 5 6 8 9 1 2 3 ...
+    for chain, want in ((SURE, True), (NEVER, False)):
+        ctl = hybrid(chain)
+        ctl.reset()
+        plan = ctl.begin_cycle(context(toks))
+        assert plan.chain[:4] == (4, 5, 6, 8)
+        tree = FakeTree([4, 11, 5, 12], [-1, -1, 0, 0], [-1.0, -3.0, -2.0, -4.0], 2)
+        v = ctl.choose_size(tree, plan)
+        k = ctl.choose_chain(tree, plan, v)
+        assert (k > 2) == want, (k, v)
+    # AR mode: the chain alone, or a plain AR step when it does not pay
+    for chain, want in ((SURE, True), (NEVER, False)):
+        ctl = hybrid(chain)
+        ctl.reset()
+        ctl.ar_mode, ctl.interval = True, 100
+        plan = ctl.begin_cycle(context(toks))
+        assert (plan.max_depth == 0) and ((len(plan.chain) > 0) == want) and (want or plan is AR_PLAN)
+        assert ctl.choose_chain(None, plan, 0) == len(plan.chain)
+
+
+def brute_joint(ctl, tree, chain, limit):
+    """max over V and k of the value, building the selected set and walking the chain explicitly."""
+    scores = tree.s.tolist()
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    c = np.concatenate([[0.0], np.cumsum(ctl.chain_p)])
+    best = None
+    for v in range(min(limit, len(scores)) + 1):
+        sel = set(order[:v])
+        g = float(LINEAR(torch.tensor([scores[i] for i in order[:v]])).sum()) if v else 0.0
+        s, cur = 0, -1  # shared: chain tokens down the selected nodes
+        for tok in chain:
+            kids = [i for i in sel if int(tree.p[i]) == cur and int(tree.t[i]) == tok]
+            if not kids:
+                break
+            cur, s = kids[0], s + 1
+        for k in range(len(chain) + 1):
+            kk = max(k, s)
+            val = g + c[kk] - c[s] - ctl.cost[v + kk - s]
+            if best is None or val > best[0] + 1e-12:
+                best = (val, v, kk)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_joint_choice_is_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]
+    chain = ChainCalibration(4, [1], [rng.uniform(0.2, 0.95, 16).tolist()])
+    ctl = hybrid(chain, max_size=10)
+    ctl.reset()
+    plan = ctl.begin_cycle(context(toks))
+    # a random 2-level tree whose first level holds the chain's first token and often its second
+    t1 = [4] + rng.choice([10, 11, 12, 13], 2, replace=False).tolist()
+    t2 = [5 if rng.random() < 0.7 else 14] + rng.choice([15, 16, 17], 2, replace=False).tolist()
+    tokens = t1 + t2 + rng.choice([18, 19, 20], 3, replace=False).tolist()
+    parents = [-1, -1, -1, 0, 0, 0, 1, 1, 1]
+    s1 = sorted(rng.uniform(-6, -0.1, 3).tolist(), reverse=True)
+    scores = s1 + [s1[0] - x for x in sorted(rng.uniform(0.1, 4, 3))] + [s1[1] - x for x in rng.uniform(0.1, 4, 3)]
+    tree = FakeTree(tokens, parents, scores, 2)
+    v = ctl.choose_size(tree, plan)
+    k = ctl.choose_chain(tree, plan, v)
+    val, bv, bk = brute_joint(ctl, tree, plan.chain, 10)
+    assert (v, k) == (bv, bk), (v, k, bv, bk, val)
+
+
+def test_config_and_files_are_checked(tmp_path, chain_cal):
+    with pytest.raises(ValueError, match="chain_tokens must be a positive integer, got 0"):
+        HybridConfig(chain_tokens=0)
+    with pytest.raises(ValueError, match="needs a chain calibration"):
+        HybridController(HybridConfig(), lat(), LINEAR)
+    with pytest.raises(FileNotFoundError, match="chain calibration"):
+        HybridController(HybridConfig(chain=str(tmp_path / "none.json")), lat(), LINEAR)
+    with pytest.raises(ValueError, match="max_n 3"):
+        HybridController(HybridConfig(max_n=3), lat(), LINEAR, chain_cal)
+
+
+# ------------------------------------------------------------------------------------- engine and simulator
+
+
+def test_greedy_output_equals_autoregressive(models, cal, chain_cal):
+    target, head = models
+    eng = Engine(target, head)
+    for latency in (CPU, DEAR):
+        ctl = HybridController(HybridConfig(width=4, max_depth=6, max_size=30, probe_every=3), latency, cal, chain_cal)
+        chains = 0
+        for prompt in PROMPTS + REPEATING:
+            ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+            out = eng.generate(prompt, ctl, max_new_tokens=N_NEW)
+            assert out.token_ids == ar.token_ids and out.method == "hybrid"
+            chains += sum(c.chain_accepted for c in out.cycles)
+        assert chains > 0
+
+
+def test_replay_equals_live(models, replay_traces):  # noqa: F811 (the fixture)
+    fitted, chains = AcceptanceCalibration.fit(replay_traces), ChainCalibration.fit(replay_traces)
+    for width, latency in ((8, CPU), (3, DEAR)):
+        assert_replays_live(models, replay_traces,
+                            lambda: HybridController(HybridConfig(width=width, max_depth=8, max_size=60, probe_every=3),
+                                                     latency, fitted, chains))
+
+
+def test_simulator_hybrid_at_least_matches_costaware_where_text_repeats(traces, cal, chain_cal):
+    hyb = simulate(HybridController(HybridConfig(width=8), CPU, cal, chain_cal), traces, CPU, measure_policy=False)
+    cost = simulate(CostAwareController(CostAwareConfig(width=8), CPU, cal), traces, CPU, measure_policy=False)
+    ngram = simulate(make_controller("ngram", min_n=1), traces, CPU, measure_policy=False)
+    cyc = [c for r in hyb.runs for c in r.cycles]
+    assert [r.token_ids for r in hyb.runs] == [t.output[:t.end].tolist() for t in traces]
+    assert sum(c.chain for c in cyc) > 0 and sum(c.chain_accepted for c in cyc) > 0
+    assert hyb.speedup >= 0.98 * max(cost.speedup, ngram.speedup), (hyb.speedup, cost.speedup, ngram.speedup)
+
+
+def test_registered_and_built_from_machine_files(tmp_path, cal, chain_cal):
+    cal.save(tmp_path / "acceptance.json")
+    chain_cal.save(tmp_path / "chain.json")
+    CPU.save(tmp_path / "latency.json")
+    ctl = make_controller("hybrid", machine={"latency": str(tmp_path / "latency.json"),
+                                             "acceptance": str(tmp_path / "acceptance.json"),
+                                             "chain": str(tmp_path / "chain.json")})
+    assert isinstance(ctl, HybridController) and ctl.context_index().max_ngram == 4
+    assert TreePlan(1, 0, 0, (1, 2)).chain == (1, 2)
