@@ -73,6 +73,10 @@ def test_bench_records_turns_summary_and_losslessness(tiny_pair, tmp_path):
     lo, hi = s["static"]["speedup_total_time_ci95"]
     assert lo <= s["static"]["speedup_total_time"] <= hi
     assert "vs_reference" in s["ar"] and "vs_reference" not in s["static"]
+    s2 = summarize(rows, cfg)["results"]
+    assert set(s2) == {"toy", "toy/turn2", "toy/turn3"}  # later turns reported apart; one dataset: no "all"
+    assert s2["toy/turn2"]["ar"]["runs"] == sum(r["turn"] == 1 and r["method"] == "ar" for r in rows) > 0
+    assert s["static"]["mean_chain"] == 0 and s["static"]["chain_accepted_per_cycle"] == 0
 
 
 def test_bench_resumes_without_duplicates_or_losses(tiny_pair, tmp_path):

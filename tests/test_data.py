@@ -355,6 +355,20 @@ def test_mt_bench_second_turns_see_first_answers():
                                  {"role": "user", "content": qs[0].turns[1]}]
 
 
+def test_copy_heavy_benchmark_sets():
+    from adaptree.data.prompts import CODE_EDITS, LONG_CHARS, load_dataset
+    from adaptree.data.splits import prompt_key, split_of
+
+    long = load_dataset("sharegpt_long")
+    assert len(long) == 72 and len({p.id for p in long}) == 72
+    assert all(LONG_CHARS[0] <= len(p.turns[0]) <= LONG_CHARS[1] and split_of(prompt_key(p)) == "eval" for p in long)
+    edits = load_dataset("code_edit")
+    he = load_dataset("humaneval")
+    assert [p.id for p in edits] == [p.id for p in he] and all(p.dataset == "code_edit" for p in edits)
+    for i, (e, h) in enumerate(zip(edits, he)):
+        assert e.turns[0].startswith(CODE_EDITS[i % len(CODE_EDITS)]) and h.turns[0].strip() in e.turns[0]
+
+
 def test_policy_training_prompts_never_meet_the_benchmarks(monkeypatch):
     from adaptree.data import prompts as P
     from adaptree.data.splits import HUMANEVAL_EVAL, policy_training_prompts

@@ -16,6 +16,11 @@ Metric definitions (docs/benchmarking.md has the long form):
   overhead = policy seconds / wall seconds.
 - differs from AR: runs whose output token ids differ from AR's on the same prompt and turn (greedy).
 - vs reference: paired Wilcoxon signed-rank test of per-run tokens/s against the reference method.
+- chain (context-match drafts, ``ngram`` and ``hybrid``): chain tokens verified per cycle, and chain tokens
+  accepted per cycle.
+
+Rows are grouped per dataset, per later turn as well (``mt_bench/turn2``: a second turn revises the model's
+own first answer) and, with several datasets, ``all``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def _entry(rs: list[dict], ar: dict, ref: dict | None, ref_name: str | None, gre
         "tau": sum(r["accepted_plus_one"] for r in rs) / cycles if cycles else None,
         "mean_depth": sum(r["depth_sum"] for r in rs) / cycles if cycles else None,
         "mean_v": sum(r["size_sum"] for r in rs) / cycles if cycles else None,
+        "mean_chain": sum(r.get("chain_sum", 0) for r in rs) / cycles if cycles else None,
+        "chain_accepted_per_cycle": sum(r.get("chain_accepted_sum", 0) for r in rs) / cycles if cycles else None,
         "time_split_s": split,
         "policy_overhead_pct": 100.0 * split["policy_s"] / t if t and cycles else None,
         "acceptance_by_position": acceptance_by_position(acc, dep) if any(dep) else None,
@@ -95,7 +102,10 @@ def summarize(rows: list[dict], cfg) -> dict:
     groups: dict[str, list[dict]] = {}
     for r in ok:
         groups.setdefault(r["dataset"], []).append(r)
-    if len(groups) > 1:
+    for r in ok:  # later turns apart too (MT-bench's second turns revise the first answer: they copy from it)
+        if r.get("turn", 0) > 0:
+            groups.setdefault(f"{r['dataset']}/turn{r['turn'] + 1}", []).append(r)
+    if len({r["dataset"] for r in ok}) > 1:
         groups["all"] = ok
     table: dict[str, dict] = {}
     for ds, rs in groups.items():

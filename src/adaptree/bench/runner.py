@@ -311,6 +311,7 @@ def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], re
             "prefill_s": res.prefill_s, "cycles": len(cyc),
             "accepted_plus_one": sum(c.accepted + 1 for c in cyc),
             "depth_sum": sum(c.depth for c in cyc), "size_sum": sum(c.size for c in cyc),
+            "chain_sum": sum(c.chain for c in cyc), "chain_accepted_sum": sum(c.chain_accepted for c in cyc),
             **res.time_split(), "stop": res.stop_reason, "ids_sha1": _digest(res.token_ids),
             "token_ids": res.token_ids, "cyc_accepted": [c.accepted for c in cyc],
             "cyc_depth": [c.depth for c in cyc], "cyc_size": [c.size for c in cyc]}

