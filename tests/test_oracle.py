@@ -313,6 +313,9 @@ def test_oracle_is_a_lower_bound_on_every_method(traces, lat_name):
     explicit_checked = 0
     for name, make in controllers.items():
         sim = simulate(make(), traces, lat, measure_policy=False)
+        if any(c.chain for r in sim.runs for c in r.cycles):  # context chains: the chain oracle's test below
+            assert name == "ngram", name
+            continue
         sizes = {c.size for r in sim.runs for c in r.cycles if c.depth > 0}
         assert orc_all.total_s <= sim.total_s * (1 + 1e-12), name
         if sizes <= set(DEFAULT_SIZES):
@@ -532,3 +535,40 @@ def test_oracle_cli(tmp_path, models, capsys):
     err = capsys.readouterr().err
     assert "torch threads 99" in err and f"torch threads {machine_meta()['torch_threads']!r}" in err
     assert len(json.loads(out.read_text())["setup"]["machine_warnings"]) == 1
+
+
+# ------------------------------------------------------------------------------------------ context chains
+
+
+@pytest.mark.parametrize("lat_name", ["cpu", "gpu", "cpu_knots"])
+def test_chain_oracle_replays_exactly_and_bounds_the_chain_methods(traces, small_traces, lat_name):
+    """With chains the oracle's schedule replays to the same cycles (the chain's length, the nodes it added
+    beyond the head's selected tree: computed by the simulator through add_chain) and the same time; it is at
+    most the head-only oracle's time and a lower bound on ngram's and hybrid's modelled times."""
+    from adaptree.methods.costaware import AcceptanceCalibration
+    from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
+
+    lat = LATENCIES[lat_name]
+    chained = 0
+    for tr in traces + small_traces:
+        for kwargs in [{"chains": 6}, {"chains": 3, "sizes": "all"}, {"chains": 8, "widths": (3,), "depths": (1, 2)}]:
+            run = oracle(tr, lat, **kwargs)
+            ctl = ScheduleController(run.schedule(), chains=kwargs["chains"])
+            sim = simulate(ctl, tr, lat, measure_policy=False).runs[0]
+            tuples = lambda cs: [(c.context_len, c.width, c.depth, c.size, c.accepted, c.chain, c.chain_nodes)  # noqa: E731
+                                 for c in cs]
+            assert tuples(sim.cycles) == tuples(run.cycles), (tr.key, kwargs)
+            assert sim.total_s == run.total_s and math.isclose(run.dp_s, run.total_s, rel_tol=1e-12)
+            plain = oracle(tr, lat, **{k: v for k, v in kwargs.items() if k != "chains"})
+            assert run.total_s <= plain.total_s * (1 + 1e-12)
+            chained += sum(c.chain > 0 for c in run.cycles)
+    assert chained > 0
+    full = oracle_all(traces, lat, chains=16)
+    ngram = simulate(make_controller("ngram", min_n=1), traces, lat, measure_policy=False)
+    hyb = simulate(HybridController(HybridConfig(width=8, max_depth=12), lat, AcceptanceCalibration.fit(traces),
+                                    ChainCalibration.fit(traces)), traces, lat, measure_policy=False)
+    for sim in (ngram, hyb):
+        for r, o in zip(sim.runs, full.runs):
+            assert o.total_s <= r.total_s * (1 + 1e-9), (r.key, o.total_s, r.total_s)
+    with pytest.raises(ValueError, match="chains must be a non-negative integer, got -1"):
+        oracle(traces[0], lat, chains=-1)

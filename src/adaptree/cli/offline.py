@@ -108,6 +108,9 @@ def register(sub) -> None:
     o.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the traces'")
     o.add_argument("--measure-policy", action="store_true",
                    help="charge the methods' own measured decision time (default: left out, results deterministic)")
+    o.add_argument("--chains", type=int, default=0,
+                   help="also the oracle that verifies up to this many context-chain tokens per cycle (the bound for "
+                        "ngram and hybrid; 0 = none)")
     o.add_argument("--out", default="runs/oracle/oracle.json", help="result JSON ('' = none)")
     add_output_args(o)
     add_method_args(o)
@@ -180,7 +183,7 @@ def cmd_oracle(args) -> int:
     out = writable_file(args.out) if args.out else None
     res = compare_on_traces(args.traces, args.latency, factories, oracle_sizes=args.sizes,
                             static_sizes=args.static_sizes, max_new_tokens=args.max_new_tokens,
-                            measure_policy=args.measure_policy, progress=not args.quiet)
+                            measure_policy=args.measure_policy, progress=not args.quiet, chains=args.chains)
     print(format_table(res))
     setup, orc = res["setup"], res["oracle"]
     vset = "every V" if args.sizes == "all" else f"{len(args.sizes)} V values"

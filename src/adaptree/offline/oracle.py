@@ -19,6 +19,13 @@ the accepted length is a step function of V, so only the smallest V reaching eac
 (d + 1 values per position and depth) can be optimal; the bound then holds for every controller that
 uses the recorded widths and depths.
 
+**Context chains** (``chains=K``): every action is also taken with the first ``k = 0..K`` tokens of the
+context's longest earlier match (:class:`~adaptree.core.context.ContextIndex`, as ``ngram`` and ``hybrid`` see
+it) verified as one more path of the tree. A chain's accepted prefix is where it leaves the recorded output, the
+cycle accepts the longer of the head's and the chain's, and the chain's tokens that the head's selected tree
+already holds (the same tokens down the same path) cost nothing more: ``verify(V + added)``. So the bound
+covers hybrid controllers too, and ``depths`` with AR alone plus chains is the best any ``ngram`` schedule does.
+
 :func:`best_static` evaluates every static (W, D, V) of a grid on the same arrays (all configurations
 walked at once) and returns the one with the least total modelled time over the traces.
 :class:`ScheduleController` replays an oracle schedule through the simulator (tests prove it
@@ -31,11 +38,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
+from adaptree.core.context import ContextIndex
 from adaptree.core.controller import Controller, CycleContext, TreePlan
 from adaptree.offline.latency import LatencyModel
 from adaptree.offline.simulator import RunTotals
-from adaptree.offline.traces import PromptTrace, acceptance_table, num_candidates
+from adaptree.offline.traces import PromptTrace, _top_order, acceptance_table, num_candidates
 
 LTD_SIZES = tuple(range(20, 241, 20))
 """LTD's size-policy action set: 12 values 20, 40, ..., 240."""
@@ -89,6 +98,8 @@ class _Actions:
     cost: np.ndarray    # [T, A] modelled seconds of the cycle
     static: np.ndarray  # [A] bool: a static configuration (same requested V at every position)
     requested: np.ndarray  # [A] requested V (-1 where V differs per position: sizes='all')
+    chain: np.ndarray | None = None  # [T, A] chain tokens verified (after the loop's cut to the room)
+    added: np.ndarray | None = None  # [T, A] nodes the chain added to the head's selected tree
 
 
 def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int] | None, depths: Sequence[int] | None,
@@ -161,6 +172,78 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
                     np.concatenate(RQ_))
 
 
+def context_chains(trace: PromptTrace, T: int, max_tokens: int, max_ngram: int = 4) -> tuple[list[tuple[int, ...]],
+                                                                                             np.ndarray]:
+    """At every root position ``j < T``: the chain a :class:`~adaptree.core.context.ContextIndex` proposes (up to
+    ``max_tokens`` tokens after the longest earlier match of ``prompt + output[:j+1]``; empty without a match)
+    and how many of its first tokens the recorded output accepts (as the simulator credits them)."""
+    from adaptree.core.context import ContextIndex
+
+    y = trace.output.tolist()
+    idx = ContextIndex(max_ngram=max_ngram)
+    idx.extend(int(t) for t in trace.prompt)
+    chains, acc = [], np.zeros(T, np.int64)
+    for j in range(T):
+        idx.extend([y[j]])
+        m = idx.match(max_tokens, 1)
+        chain = m.tokens if m is not None else ()
+        k = 0
+        while k < len(chain) and j + 2 + k < len(y) and chain[k] == y[j + 1 + k]:
+            k += 1
+        chains.append(chain)
+        acc[j] = k
+    return chains, acc
+
+
+def _chain_path(wt, chains: list[tuple[int, ...]], T: int) -> np.ndarray:
+    """``[T, max_depth]`` candidate index of the head's recorded tree at each level of the chain's path (the
+    child of the previous one with the chain's token), -1 where the chain leaves the tree."""
+    out = np.full((T, wt.max_depth), -1, np.int64)
+    if T == 0:
+        return out
+    parents = wt.parents()
+    for j in range(T):
+        cur = -1
+        for i, tok in enumerate(chains[j][:wt.max_depth]):
+            hit = np.flatnonzero((parents[j] == cur) & (wt.tokens[j] == tok))
+            if hit.size == 0:
+                break
+            cur = out[j, i] = int(hit[0])
+    return out
+
+
+def _with_chains(act: _Actions, trace: PromptTrace, lat: LatencyModel, T: int, chains: int,
+                 max_ngram: int) -> _Actions:
+    """Every action of ``act`` with ``k = 0..chains`` context-chain tokens (module docstring)."""
+    n = trace.prompt_len
+    pos = np.arange(T)
+    L = (n + pos).astype(np.float64)
+    room = trace.max_len - n - pos
+    toks, chain_acc = context_chains(trace, T, chains, max_ngram)
+    avail = np.array([len(c) for c in toks], np.int64)
+    shared = np.zeros(act.size.shape, np.int64)  # [T, A] chain tokens among the head's selected nodes
+    paths = {w: _chain_path(trace.widths[w], toks, T) for w in set(act.width[act.depth > 0].tolist())}
+    for a in np.flatnonzero(act.depth > 0):
+        w, d = int(act.width[a]), int(act.depth[a])
+        wt, c = trace.widths[w], num_candidates(w, int(act.depth[a]))
+        order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[:T, :c]))).numpy()
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(c)[None, :].repeat(T, 0), axis=1)
+        path = paths[w][:, :d]
+        prank = np.where(path >= 0, np.take_along_axis(rank, np.maximum(path, 0), axis=1), c + 1)
+        shared[:, a] = (prank < act.size[:, a][:, None]).sum(1)
+    W_, D_, S_, A_, C_, ST_, RQ_, K_, N_ = [], [], [], [], [], [], [], [], []
+    for k in range(chains + 1):
+        k_eff = np.minimum(np.minimum(k, avail)[:, None], np.maximum(0, room[:, None] - 1 - act.size))  # [T, A]
+        added = np.maximum(0, k_eff - shared)
+        acc = np.maximum(act.acc, np.minimum(k_eff, chain_acc[:, None]))
+        cost = act.cost - lat.verify_times(act.size, L[:, None]) + lat.verify_times(act.size + added, L[:, None])
+        W_.append(act.width), D_.append(act.depth), S_.append(act.size), A_.append(acc), C_.append(cost)
+        ST_.append(act.static), RQ_.append(act.requested), K_.append(k_eff), N_.append(added)
+    cat = lambda xs, ax=0: np.concatenate(xs, axis=ax)  # noqa: E731
+    return _Actions(cat(W_), cat(D_), cat(S_, 1), cat(A_, 1), cat(C_, 1), cat(ST_), cat(RQ_), cat(K_, 1), cat(N_, 1))
+
+
 @dataclass
 class OracleCycle:
     position: int
@@ -175,6 +258,10 @@ class OracleCycle:
     draft_s: float
     verify_s: float
     other_s: float
+    chain: int = 0
+    """Context-chain tokens verified (``chains``)."""
+    chain_nodes: int = 0
+    """Nodes the chain added to the head's selected tree."""
 
     @property
     def total_s(self) -> float:
@@ -202,9 +289,9 @@ class OracleRun:
     def tau(self) -> float:
         return sum(c.accepted + 1 for c in self.cycles) / len(self.cycles) if self.cycles else 0.0
 
-    def schedule(self) -> dict[int, tuple[int, int, int]]:
-        """Root position -> (W, d, V) of the cycle started there."""
-        return {c.position: (c.width, c.depth, c.size) for c in self.cycles}
+    def schedule(self) -> dict[int, tuple[int, ...]]:
+        """Root position -> (W, d, V) of the cycle started there, (W, d, V, chain tokens) with chains."""
+        return {c.position: (c.width, c.depth, c.size) + ((c.chain,) if c.chain else ()) for c in self.cycles}
 
 
 @dataclass
@@ -226,7 +313,7 @@ def _ar_time(lat: LatencyModel, n: int, T: int) -> float:
 
 def oracle(trace: PromptTrace, latency: LatencyModel, *, widths: Sequence[int] | None = None,
            depths: Sequence[int] | None = None, sizes: Sequence[int] | str = DEFAULT_SIZES, allow_ar: bool = True,
-           max_new_tokens: int | None = None) -> OracleRun:
+           max_new_tokens: int | None = None, chains: int = 0, max_ngram: int = 4) -> OracleRun:
     """The schedule of (W, d, V) per cycle minimising the modelled time to emit the trace's output.
 
     :param widths: W values allowed per cycle (default: every recorded width; pass one to fix W).
@@ -234,11 +321,17 @@ def oracle(trace: PromptTrace, latency: LatencyModel, *, widths: Sequence[int] |
     :param sizes: the V set (default :data:`DEFAULT_SIZES`), or ``"all"``: every V (exact; see the module docstring).
     :param allow_ar: also allow an AR step (d = 0) per cycle.
     :param max_new_tokens: a smaller token limit than recorded (as in ``simulate``).
+    :param chains: also verify the first 0..``chains`` tokens of the context's longest earlier match (n-grams of
+        up to ``max_ngram`` tokens) with every action (see the module docstring); 0: head trees only.
     """
     sizes = _sizes_arg(sizes)
+    if isinstance(chains, bool) or not isinstance(chains, int) or chains < 0:
+        raise ValueError(f"chains must be a non-negative integer, got {chains!r}")
     T = terminal_position(trace, max_new_tokens)
     n = trace.prompt_len
     act = _actions(trace, latency, T, widths, depths, sizes, allow_ar)
+    if chains:
+        act = _with_chains(act, trace, latency, T, chains, max_ngram)
     best = np.zeros(T + 1)
     choice = np.zeros(T, np.int64)
     steps = act.acc + 1  # [T, A]
@@ -254,8 +347,9 @@ def oracle(trace: PromptTrace, latency: LatencyModel, *, widths: Sequence[int] |
         L = n + j
         if trace.max_len - L <= 1:  # no room to draft: the engine (and the cost above) makes it an AR step
             d = 0
-        cycles.append(OracleCycle(j, L, w, d, v, acc, latency.draft_time(w, d, L), latency.verify_time(v, L),
-                                  latency.other_s))
+        k, added = (int(act.chain[j, a]), int(act.added[j, a])) if act.chain is not None else (0, 0)
+        cycles.append(OracleCycle(j, L, w, d, v, acc, latency.draft_time(w, d, L), latency.verify_time(v + added, L),
+                                  latency.other_s, k, added))
         j += acc + 1
     return OracleRun(trace.key, cycles, T + 1, _ar_time(latency, n, T), float(best[0]) if T else 0.0)
 
@@ -275,14 +369,23 @@ class ScheduleController(Controller):
 
     name = "schedule"
 
-    def __init__(self, schedule: Mapping[int, tuple[int, int, int]]) -> None:
+    def __init__(self, schedule: Mapping[int, tuple[int, ...]], chains: int = 0, max_ngram: int = 4) -> None:
+        """``schedule``: root position -> (W, d, V) or (W, d, V, chain tokens); ``chains``/``max_ngram``: the
+        oracle's (the chain is the first tokens of the context match of that many tokens)."""
         self.schedule = {int(k): tuple(int(x) for x in v) for k, v in schedule.items()}
+        self.chains, self.max_ngram = int(chains), int(max_ngram)
+
+    def context_index(self) -> ContextIndex | None:
+        return ContextIndex(max_ngram=self.max_ngram) if self.chains else None
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         j = ctx.generated - 1  # the root's output index
         if j not in self.schedule:
             raise RuntimeError(f"no scheduled cycle at root position {j}: the replay diverged from the schedule")
-        w, d, v = self.schedule[j]
+        w, d, v, *k = self.schedule[j]
+        if k and k[0]:
+            m = ctx.index.match(self.chains, 1)
+            return TreePlan(w, d, v, m.tokens[:k[0]] if m is not None else ())
         return TreePlan(w, d, v)
 
 
@@ -374,13 +477,15 @@ def compare_methods(traces: Sequence[PromptTrace], latency: LatencyModel,
                     methods: Mapping[str, Callable[[], Controller]], *, with_oracle: bool = True,
                     with_static: bool = True, oracle_sizes: Sequence[int] | str = DEFAULT_SIZES,
                     static_sizes: Sequence[int] = DEFAULT_SIZES, max_new_tokens: int | None = None,
-                    measure_policy: bool = False, progress: bool = False) -> dict:
+                    measure_policy: bool = False, progress: bool = False, chains: int = 0) -> dict:
     """Every method replayed in the simulator, with the best static tree and the oracle, on the same traces.
 
-    Returns ``{"methods": {name: row}, "oracle": row | None, "best_static": row | None}``; a row has the
-    modelled speedup vs AR, tau, mean depth and V, and ``fraction_of_oracle_gain``. The policies' own
-    time is left out unless ``measure_policy`` (the oracle and the statics have none). ``progress``: a
-    bar over the methods.
+    Returns ``{"methods": {name: row}, "oracle": row | None, "best_static": row | None, "oracle_chains": row |
+    None}``; a row has the modelled speedup vs AR, tau, mean depth and V, and ``fraction_of_oracle_gain``. With
+    ``chains`` the oracle that may also verify up to that many context-chain tokens per cycle is there too, and
+    every row gets ``fraction_of_chain_oracle_gain`` (the head-only oracle does not bound a method that verifies
+    chains: ``ngram``, ``hybrid``). The policies' own time is left out unless ``measure_policy`` (the oracle and
+    the statics have none). ``progress``: a bar over the methods.
     """
     from tqdm import tqdm
 
@@ -388,11 +493,14 @@ def compare_methods(traces: Sequence[PromptTrace], latency: LatencyModel,
     from adaptree.offline.simulator import simulate
 
     traces = list(traces)
-    out: dict = {"methods": {}, "oracle": None, "best_static": None}
-    orc = None
+    out: dict = {"methods": {}, "oracle": None, "best_static": None, "oracle_chains": None}
+    orc = orc_c = None
     if with_oracle:
         orc = oracle_all(traces, latency, sizes=oracle_sizes, max_new_tokens=max_new_tokens)
         out["oracle"] = {"name": "oracle", **orc.summary()}
+        if chains:
+            orc_c = oracle_all(traces, latency, sizes=oracle_sizes, max_new_tokens=max_new_tokens, chains=chains)
+            out["oracle_chains"] = {"name": f"oracle + chains <= {chains}", **orc_c.summary()}
     for name, make in tqdm(methods.items(), desc="simulate", unit="method", disable=not progress):
         res = simulate(make(), traces, latency, max_new_tokens=max_new_tokens, measure_policy=measure_policy)
         out["methods"][name] = {"name": name, **res.summary()}
@@ -404,32 +512,36 @@ def compare_methods(traces: Sequence[PromptTrace], latency: LatencyModel,
                               "depth": st.depth, "size": st.size, "modelled_s": st.total_s, "modelled_ar_s": st.ar_s,
                               "modelled_speedup": st.speedup,
                               **{k: replay[k] for k in ("cycles", "tau", "mean_depth", "mean_size")}}
-    rows = list(out["methods"].values()) + [r for r in (out["best_static"], out["oracle"]) if r]
+    rows = list(out["methods"].values()) + [r for r in (out["best_static"], out["oracle"], out["oracle_chains"]) if r]
     for r in rows:
         r["fraction_of_oracle_gain"] = (fraction_of_oracle_gain(r["modelled_speedup"], orc.speedup)
                                         if orc is not None else None)
+        if orc_c is not None:
+            r["fraction_of_chain_oracle_gain"] = fraction_of_oracle_gain(r["modelled_speedup"], orc_c.speedup)
     return out
 
 
 def format_table(result: dict) -> str:
     """A plain-text table of :func:`compare_methods`' rows."""
-    rows = list(result["methods"].values()) + [r for r in (result["best_static"], result["oracle"]) if r]
+    extra = result.get("oracle_chains")
+    rows = list(result["methods"].values()) + [r for r in (result["best_static"], result["oracle"], extra) if r]
     head = f"{'method':<28} {'speedup':>8} {'tau':>6} {'depth':>6} {'V':>6} {'frac. oracle gain':>18}"
+    head += f" {'frac. +chains':>14}" if extra else ""
     lines = [head, "-" * len(head)]
+    fmt = lambda x: f"{x:.3f}" if x is not None else "-"  # noqa: E731
     for r in rows:
-        frac = r.get("fraction_of_oracle_gain")
         tau, dep, size = (r.get(k) for k in ("tau", "mean_depth", "mean_size"))
-        lines.append(f"{r['name']:<28} {r['modelled_speedup']:>7.3f}x "
-                     f"{(f'{tau:.3f}' if tau is not None else '-'):>6} "
+        lines.append(f"{r['name']:<28} {r['modelled_speedup']:>7.3f}x {fmt(tau):>6} "
                      f"{(f'{dep:.2f}' if dep is not None else '-'):>6} "
-                     f"{(f'{size:.1f}' if size is not None else '-'):>6} "
-                     f"{(f'{frac:.3f}' if frac is not None else '-'):>18}")
+                     f"{(f'{size:.1f}' if size is not None else '-'):>6} {fmt(r.get('fraction_of_oracle_gain')):>18}"
+                     + (f" {fmt(r.get('fraction_of_chain_oracle_gain')):>14}" if extra else ""))
     return "\n".join(lines)
 
 
 def compare_on_traces(traces: str, latency: str, methods: Mapping[str, Callable[[], Controller]], *,
                       oracle_sizes: Sequence[int] | str = DEFAULT_SIZES, static_sizes: Sequence[int] = DEFAULT_SIZES,
-                      max_new_tokens: int | None = None, measure_policy: bool = False, progress: bool = False) -> dict:
+                      max_new_tokens: int | None = None, measure_policy: bool = False, progress: bool = False,
+                      chains: int = 0) -> dict:
     """:func:`compare_methods` on the trace folder ``traces`` with the latency model file ``latency`` (a warning
     when it was measured on another machine), plus a ``setup`` entry saying what was compared: the folders, the
     oracle's and the static grid's V sets, the recorded widths and depth, the token limit, the trace and latency
@@ -445,12 +557,13 @@ def compare_on_traces(traces: str, latency: str, methods: Mapping[str, Callable[
         raise ValueError(f"no traces in {traces}")
     lat = load_checked(latency)
     res = compare_methods(loaded, lat, methods, oracle_sizes=oracle_sizes, static_sizes=static_sizes,
-                          max_new_tokens=max_new_tokens, measure_policy=measure_policy, progress=progress)
+                          max_new_tokens=max_new_tokens, measure_policy=measure_policy, progress=progress,
+                          chains=chains)
     s = store.settings
     res["setup"] = {
         "traces": str(traces), "prompts": len(loaded), "latency": str(latency),
         "oracle_sizes": oracle_sizes if oracle_sizes == "all" else list(oracle_sizes),
-        "static_sizes": list(static_sizes), "widths": list(s.widths), "max_depth": s.max_depth,
+        "static_sizes": list(static_sizes), "widths": list(s.widths), "max_depth": s.max_depth, "chains": chains,
         "max_new_tokens": max_new_tokens or s.max_new_tokens, "policy_time": measure_policy,
         "trace_fingerprints": store.fingerprints, "latency_meta": {k: lat.meta.get(k) for k in (
             "machine", "dtype", "source", "model", "model_sha256", "head_sha256") if k in lat.meta},
