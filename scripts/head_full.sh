@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 18's head for the default model: one run over every committed corpus chunk, features computed in the
+# training loop (no feature store), so the run can be handed from machine to machine. Rerun the script to
+# continue after an interruption or on a new machine (it adds --resume when a checkpoint is there).
+#
+#   bash scripts/head_full.sh     # on 2 cores: ~1.1 h per million response tokens and epoch (features + training)
+#
+# Hand-over at the end of a session (the checkpoint is bfloat16: ~63 MB with the optimizer's moments):
+#   git add "$OUT" && git commit -m "head run: checkpoint at step N"
+# The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-training/smollm2-135m-head}
+CORPORA=${CORPORA:-corpora/smollm2-135m-greedy,corpora/smollm2-135m-t1}
+CHUNKS=${CHUNKS:-27}
+EPOCHS=${EPOCHS:-1}
+LR=${LR:-2e-3}
+TTT=${TTT:-7}
+VOCAB=${VOCAB:-8192}
+THREADS=${THREADS:-2}
+resume=()
+if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then resume=(--resume); fi
+adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \
+  --ckpt-dtype bfloat16 --epochs "$EPOCHS" --lr "$LR" --ttt-steps "$TTT" --draft-vocab "$VOCAB" --max-len 1024 \
+  --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed 0 --threads "$THREADS" "${resume[@]}"
+python scripts/head_curve.py "$OUT" --out "$OUT/curve"
