@@ -4,8 +4,8 @@
 order (``begin_cycle`` -> ``TreePlan``, ``continue_drafting(DraftStep)`` after each level while
 ``depth < plan.max_depth``, ``choose_size(tree, plan)``, ``choose_chain`` when the plan has a chain,
 ``end_cycle(record)``), the clamps (V to the candidates, V and the chain to the context room), the stop
-rules (:func:`emit`: EOS kept, ``max_new_tokens``; the context limit), and the :class:`~adaptree.core.controller.CycleContext` and
-:class:`~adaptree.core.records.CycleRecord` of every cycle.
+rules (:func:`emit`: EOS kept, ``max_new_tokens``; the context limit), and the
+:class:`~adaptree.core.controller.CycleContext` and :class:`~adaptree.core.records.CycleRecord` of every cycle.
 
 Where the tokens come from is a :class:`CycleSource`: the live models
 (:class:`adaptree.core.engine.Engine`) or a recorded greedy trace
