@@ -36,6 +36,20 @@ def write_json(obj, path: str | os.PathLike, sort_keys: bool = False) -> None:
     os.replace(tmp, path)
 
 
+def read_json_as(path: str | os.PathLike, build: Callable[[Any], T], what: str) -> T:
+    """``build(the JSON value in path)``; a file that is not JSON, or that ``build`` refuses with a ValueError, is a
+    ValueError naming ``path`` (``what``: what the file should be, for the message)."""
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON {what} ({e})") from None
+    try:
+        return build(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def settings_of(cfg, skip: Iterable[str] = (), only: Iterable[str] | None = None, extra: Mapping | None = None) -> dict:
     """The fields of the dataclass ``cfg`` a run folder is pinned to (all but ``skip``, or ``only`` those), plus
     ``extra``, as JSON gives them back (tuples become lists): comparable with what a run folder holds."""

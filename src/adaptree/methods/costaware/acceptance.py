@@ -36,7 +36,6 @@ candidates fitted on) and ``fingerprints`` (the ``model`` and ``head`` digests o
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, level_offset, match_mask
 
 FORMAT_VERSION = 1
@@ -220,21 +220,11 @@ class AcceptanceCalibration:
         return cal
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        write_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> AcceptanceCalibration:
-        with open(path) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a JSON acceptance calibration ({e})") from None
-        try:
-            return cls.from_dict(d)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        return read_json_as(path, cls.from_dict, "acceptance calibration")
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -23,7 +23,6 @@ rates depend on the target's outputs only, the head is recorded for :meth:`check
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaptree.core.context import ContextIndex, ContextMatch
+from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace
 
 FORMAT_VERSION = 1
@@ -165,21 +165,11 @@ class ChainCalibration:
         return cls(d["max_ngram"], d["edges"], d["rates"], d["trials"], d["samples"], d["fingerprints"])
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        write_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ChainCalibration:
-        with open(path) as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a JSON chain calibration ({e})") from None
-        try:
-            return cls.from_dict(d)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        return read_json_as(path, cls.from_dict, "chain calibration")
 
 
 __all__ = ["ChainCalibration", "DEFAULT_EDGES"]
