@@ -43,8 +43,8 @@ import torch
 from adaptree.core.context import ContextIndex
 from adaptree.core.controller import Controller, CycleContext, TreePlan
 from adaptree.offline.latency import LatencyModel
-from adaptree.offline.simulator import RunTotals
-from adaptree.offline.traces import PromptTrace, _top_order, acceptance_table, num_candidates
+from adaptree.offline.simulator import RunTotals, chain_credit
+from adaptree.offline.traces import PromptTrace, _top_order, acceptance_table, context_matches, num_candidates
 
 LTD_SIZES = tuple(range(20, 241, 20))
 """LTD's size-policy action set: 12 values 20, 40, ..., 240."""
@@ -174,24 +174,14 @@ def _actions(trace: PromptTrace, lat: LatencyModel, T: int, widths: Sequence[int
 
 def context_chains(trace: PromptTrace, T: int, max_tokens: int, max_ngram: int = 4) -> tuple[list[tuple[int, ...]],
                                                                                              np.ndarray]:
-    """At every root position ``j < T``: the chain a :class:`~adaptree.core.context.ContextIndex` proposes (up to
-    ``max_tokens`` tokens after the longest earlier match of ``prompt + output[:j+1]``; empty without a match)
-    and how many of its first tokens the recorded output accepts (as the simulator credits them)."""
-    from adaptree.core.context import ContextIndex
-
+    """At every root position ``j < T``: the chain the cycle loop's context index proposes
+    (:func:`~adaptree.offline.traces.context_matches`; empty without a match) and how many of its first tokens
+    the recorded output accepts (:func:`~adaptree.offline.simulator.chain_credit`)."""
     y = trace.output.tolist()
-    idx = ContextIndex(max_ngram=max_ngram)
-    idx.extend(int(t) for t in trace.prompt)
     chains, acc = [], np.zeros(T, np.int64)
-    for j in range(T):
-        idx.extend([y[j]])
-        m = idx.match(max_tokens, 1)
-        chain = m.tokens if m is not None else ()
-        k = 0
-        while k < len(chain) and j + 2 + k < len(y) and chain[k] == y[j + 1 + k]:
-            k += 1
-        chains.append(chain)
-        acc[j] = k
+    for j, m in context_matches(trace, T, max_tokens, max_ngram):
+        chains.append(m.tokens if m is not None else ())
+        acc[j] = chain_credit(y, j, chains[-1])
     return chains, acc
 
 
@@ -223,15 +213,17 @@ def _with_chains(act: _Actions, trace: PromptTrace, lat: LatencyModel, T: int, c
     avail = np.array([len(c) for c in toks], np.int64)
     shared = np.zeros(act.size.shape, np.int64)  # [T, A] chain tokens among the head's selected nodes
     paths = {w: _chain_path(trace.widths[w], toks, T) for w in set(act.width[act.depth > 0].tolist())}
+    path_ranks: dict[tuple[int, int], np.ndarray] = {}  # (W, d) -> [T, d] top-V rank of the chain's path nodes
     for a in np.flatnonzero(act.depth > 0):
         w, d = int(act.width[a]), int(act.depth[a])
-        wt, c = trace.widths[w], num_candidates(w, int(act.depth[a]))
-        order = _top_order(torch.from_numpy(np.ascontiguousarray(wt.scores[:T, :c]))).numpy()
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(c)[None, :].repeat(T, 0), axis=1)
-        path = paths[w][:, :d]
-        prank = np.where(path >= 0, np.take_along_axis(rank, np.maximum(path, 0), axis=1), c + 1)
-        shared[:, a] = (prank < act.size[:, a][:, None]).sum(1)
+        if (w, d) not in path_ranks:  # one sort per tree shape, shared by its V values
+            c = num_candidates(w, d)
+            order = _top_order(torch.from_numpy(np.ascontiguousarray(trace.widths[w].scores[:T, :c]))).numpy()
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.arange(c)[None, :].repeat(T, 0), axis=1)
+            path = paths[w][:, :d]
+            path_ranks[w, d] = np.where(path >= 0, np.take_along_axis(rank, np.maximum(path, 0), axis=1), c + 1)
+        shared[:, a] = (path_ranks[w, d] < act.size[:, a][:, None]).sum(1)
     W_, D_, S_, A_, C_, ST_, RQ_, K_, N_ = [], [], [], [], [], [], [], [], []
     for k in range(chains + 1):
         k_eff = np.minimum(np.minimum(k, avail)[:, None], np.maximum(0, room[:, None] - 1 - act.size))  # [T, A]

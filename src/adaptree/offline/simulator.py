@@ -217,14 +217,10 @@ class _ReplaySource(CycleSource):
             if wt.width not in self.matches:
                 self.matches[wt.width] = match_mask(wt, trace.output, np.arange(trace.end))
             acc = _accepted(wt, j, tree.depth, v, self.matches[wt.width][j], tree)
-        if chain:  # greedy: the chain's accepted prefix is where it leaves the recorded output (a chain longer
-            # than the trace's look-ahead is credited up to it in a generation's last cycles)
+        if chain:
             vtree = tree.select(v) if tree is not None else root_only_tree(self.y[j], self.n + j)
             rec.chain_nodes = add_chain(vtree, chain)[1]
-            y, k = self.y, 0
-            while k < len(chain) and j + 2 + k < len(y) and chain[k] == y[j + 1 + k]:
-                k += 1
-            acc = max(acc, k)
+            acc = max(acc, chain_credit(self.y, j, chain))
         new = self.y[j + 1:j + acc + 2]
         if len(new) != acc + 1:
             raise RuntimeError(f"trace {trace.key!r}: the recorded output ends before position {j + acc + 1}")
@@ -237,6 +233,16 @@ class _ReplaySource(CycleSource):
             rec.draft_s = lat.draft_time(rec.width, rec.depth, rec.context_len)
             rec.verify_s = lat.verify_time(rec.size + rec.chain_nodes, rec.context_len)
             rec.other_s = lat.other_s
+
+
+def chain_credit(output: Sequence[int], j: int, chain: Sequence[int]) -> int:
+    """Accepted tokens of a context chain verified under root ``output[j]`` (greedy): its prefix up to where it
+    leaves the recorded output. A chain longer than the trace's look-ahead is credited up to the look-ahead (a
+    generation's last cycles), keeping the bonus token after it recorded."""
+    k = 0
+    while k < len(chain) and j + 2 + k < len(output) and chain[k] == output[j + 1 + k]:
+        k += 1
+    return k
 
 
 def simulate_one(controller: Controller, trace: PromptTrace, latency_model: LatencyModel | None = None,

@@ -38,7 +38,7 @@ refuses a different model, head or settings.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from adaptree.core.batched import batched_decode
+from adaptree.core.context import ContextIndex, ContextMatch
 from adaptree.offline.store import (
     FingerprintedStore,
     StoreFormat,
@@ -220,6 +221,18 @@ class PromptTrace:
 # --------------------------------------------------------------------------------------------------
 # acceptance from a trace
 # --------------------------------------------------------------------------------------------------
+
+
+def context_matches(trace: PromptTrace, positions: int, max_tokens: int, max_ngram: int = 4,
+                    max_match: int = 64) -> Iterator[tuple[int, ContextMatch | None]]:
+    """``(j, match)`` at every root ``j < positions``: the longest earlier match of ``prompt + output[:j+1]`` and
+    its ``max_tokens`` continuation tokens, as the cycle loop's :class:`~adaptree.core.context.ContextIndex` (of
+    ``max_ngram``, ``max_match``) proposes them there (greedy: the context is the recorded output's prefix)."""
+    idx = ContextIndex(max_ngram=max_ngram, max_match=max_match)
+    idx.extend(int(t) for t in trace.prompt)
+    for j, t in enumerate(trace.output[:positions].tolist()):
+        idx.extend([t])
+        yield j, idx.match(max_tokens, 1)
 
 
 def match_mask(wt: WidthTrace, output: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaptree.core.context import ContextIndex, ContextMatch
+from adaptree.core.context import ContextMatch
 from adaptree.offline.runs import read_json_as, write_json
-from adaptree.offline.traces import PromptTrace
+from adaptree.offline.traces import PromptTrace, context_matches
 
 FORMAT_VERSION = 1
 FIELDS = ("version", "max_ngram", "edges", "rates", "trials", "samples", "fingerprints")
@@ -115,12 +115,8 @@ class ChainCalibration:
             elif own["model"] != fps["model"]:
                 raise ValueError(f"trace {trace.key!r} was recorded with another model than {first!r}; fit one "
                                  f"chain calibration per model")
-            y = [int(t) for t in trace.output]
-            idx = ContextIndex(max_ngram=max_ngram, max_match=max(max_ngram, int(edges_a[-1])))
-            idx.extend(int(t) for t in trace.prompt)
-            for j in range(trace.end):
-                idx.extend([y[j]])
-                m = idx.match(max_tokens, 1)
+            y = trace.output.tolist()
+            for j, m in context_matches(trace, trace.end, max_tokens, max_ngram, max(max_ngram, int(edges_a[-1]))):
                 if m is None:
                     continue
                 samples += 1
