@@ -10,7 +10,7 @@ import torch
 from conftest import PROMPTS, tiny_head, tiny_target
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import pair_pvalue
+from test_engine import SAMPLING_CONFIGS, flat_engine, pair_pvalue
 from test_traces import assert_replays_live, traces  # noqa: F401 (the traces fixture)
 
 from adaptree.core.context import ContextIndex
@@ -175,13 +175,9 @@ def test_chain_is_cut_to_the_context_room():
         assert c.context_len + 1 + c.size + c.chain <= len(prompt) + 12
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=6)])
+@pytest.mark.parametrize("cfg", SAMPLING_CONFIGS)
 def test_hybrid_sampling_matches_target_distribution(cfg):
-    target = tiny_target(vocab=8, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.05)  # flatter: many cells with mass
-    head = tiny_head(target, draft_vocab=6, seed=4)
-    eng = Engine(target, head)
+    eng = flat_engine()
     prompt = [1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # every token has an earlier occurrence: always a chain
     ctl = Hybrid(3, 2, 4, tokens=3)
     res = eng.generate(prompt, ctl, max_new_tokens=3, sampling=SamplingConfig(1.0, seed=5))

@@ -215,13 +215,22 @@ def pair_pvalue(engine, controller, prompt, cfg, n, seed):
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=6)])
-def test_speculative_sampling_matches_target_distribution(cfg):
+SAMPLING_CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=6)]
+"""The distribution tests' sampling settings: plain T=1, and temperature with top-p and top-k."""
+
+
+def flat_engine() -> Engine:
+    """An engine on a tiny target whose next-token distributions spread over its 8 tokens (many cells of the
+    pair distribution carry mass), with a 6-token draft head: the distribution tests' models."""
     target = tiny_target(vocab=8, seed=3)
     with torch.no_grad():
-        target.lm_head.weight.mul_(0.05)  # flatter: many cells with mass
-    head = tiny_head(target, draft_vocab=6, seed=4)
-    eng = Engine(target, head)
+        target.lm_head.weight.mul_(0.05)
+    return Engine(target, tiny_head(target, draft_vocab=6, seed=4))
+
+
+@pytest.mark.parametrize("cfg", SAMPLING_CONFIGS)
+def test_speculative_sampling_matches_target_distribution(cfg):
+    eng = flat_engine()
     assert pair_pvalue(eng, StaticController(StaticConfig(3, 3, 8)), [1, 2, 3], cfg, n=2500, seed=1) > 1e-3
 
 
