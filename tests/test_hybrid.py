@@ -21,6 +21,8 @@ from adaptree.core.engine import Engine
 from adaptree.methods import make_controller
 from adaptree.methods.costaware import AcceptanceCalibration, CostAwareConfig, CostAwareController
 from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule
+from adaptree.offline.latency import LatencyModel
 from adaptree.offline.simulator import simulate
 from adaptree.offline.traces import record_trace
 
@@ -194,6 +196,42 @@ def test_joint_choice_is_the_brute_force_optimum(seed):
     k = ctl.choose_chain(tree, plan, v)
     val, bv, bk = brute_joint(ctl, tree, plan.chain, 10)
     assert (v, k) == (bv, bk), (v, k, bv, bk, val)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_rule_verifies_the_chain_tokens_worth_their_time(seed):
+    """ChainRule (the learned methods' chain): the k that maximises the chain's expected accepted tokens beyond the
+    head's shared nodes minus their verification time at the AR rate, by brute force; the whole chain without a
+    latency model; features in [0, 1], 0 without a match, independent of the chain's length."""
+    rng = np.random.default_rng(seed)
+    toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]
+    cal = ChainCalibration(4, [1], [np.sort(rng.uniform(0.05, 0.98, 16))[::-1].tolist()])
+    rule = ChainRule(cal, 10)
+    chain = rule.begin(context(toks))
+    assert chain[:4] == (4, 5, 6, 8) and len(chain) == 10
+    plan = TreePlan(2, 2, 10, chain)
+    assert rule.choose(None, plan, 0) == 10  # no latency model: the whole chain
+    f = rule.features()
+    assert len(f) == len(MATCH_FEATURES) and all(0.0 <= x <= 1.0 for x in f) and f[0] == pytest.approx(cal.rates[0, 0])
+    assert ChainRule(cal, 3).begin(context(toks)) and ChainRule(cal, 3).features() == [0.0, 0.0, 0.0]  # no begin yet
+    short = ChainRule(cal, 3)
+    short.begin(context(toks))
+    assert short.features() == pytest.approx(f)
+    latency = LatencyModel([1e-3, 0.0, 0.0, 0.0], [7e-3, rng.uniform(5e-4, 6e-3), 0.0, 0.0], other_s=0.0)
+    rule.latency = latency
+    tree = FakeTree([4, 11, 5, 12], [-1, -1, 0, 0], [-1.0, -3.0, -2.0, -4.0], 2)  # the chain's 4 -> 5 is in the tree
+    c = np.concatenate([[0.0], np.cumsum(cal.probs(ContextMatch(3, 1, 0, chain)))])
+    for v in range(5):
+        s = min(v, 2)  # top-V by score: 4 (-1), then 5 under it (-2), 11 (-3), 12 (-4)
+        values = [c[max(k, s)] - c[s] - (latency.verify_time(v + max(0, k - s), 20) - latency.verify_time(v, 20))
+                  / latency.ar_step(20) for k in range(11)]
+        assert rule.choose(tree, plan, v) == int(np.argmax(values)), (v, values)
+    rule.begin(context([1, 2, 3, 4]))  # nothing repeats
+    assert rule.features() == [0.0, 0.0, 0.0] and rule.choose(None, TreePlan(1, 0, 0), 0) == 0
+    with pytest.raises(ValueError, match="positive integer, got 0"):
+        ChainRule(cal, 0)
+    with pytest.raises(ValueError, match="context index"):
+        rule.begin(CycleContext(0, 20, 1, None, toks, [], None))
 
 
 def test_config_and_files_are_checked(tmp_path, chain_cal):

@@ -356,6 +356,93 @@ def test_only_the_size_policy_for_the_ablations(traces, tmp_path):
     assert pol.config.actions == [2, 4, 8, 16] and not (tmp_path / "run/policy/depth").exists()
 
 
+# ------------------------------------------------------------------------------------------ context chains (issue 19)
+
+REPEATS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def chain_traces(models):
+    """Traces 16 tokens longer than the generations replayed on them: a chain's acceptance near the end of a
+    generation is then known to the replay too (the live engine verifies past max_new_tokens)."""
+    target, head = models
+    s = TraceSettings(widths=(W,), max_depth=DMAX, max_new_tokens=N_NEW + 16, feature_dtype="none")
+    with torch.inference_mode():
+        return [record_trace(target, head, p, settings=s, key=f"p{i}") for i, p in enumerate(PROMPTS + REPEATS)]
+
+
+def match_policy(kind: str, seed: int) -> MLPPolicy:
+    """A random policy that observes the context match; its decisions follow the match features strongly."""
+    obs = LTDObservation(width=W, max_depth=DMAX, use_match=True)
+    pol = random_policy(kind, seed, obs)
+    with torch.no_grad():
+        pol.body[0].weight[:, -3:] *= 40.0
+    return pol
+
+
+@pytest.mark.parametrize("observes", [False, True])
+def test_ltd_with_a_context_chain_is_lossless_and_replays_like_the_live_engine(models, chain_traces, observes):
+    """``chain_tokens`` puts the context's chain next to the policies' tree (ChainRule); policies trained with
+    ``match`` see the match features. fp32 greedy output = AR, the replay makes the live decisions."""
+    from adaptree.methods.hybrid import ChainCalibration
+
+    target, head = models
+    cal = ChainCalibration.fit(chain_traces)
+    dp, sp = (match_policy("depth", 1), match_policy("size", 2)) if observes else (rule_policy("depth"),
+                                                                                    rule_policy("size"))
+
+    def make():
+        ctl = LTDController(LTDConfig(width=W, depth=DMAX, chain_tokens=None if observes else 8), depth_policy=dp,
+                            size_policy=sp, chain_calibration=cal)
+        ctl.use_latency(LAT)
+        return ctl
+
+    eng = Engine(target, head)
+    checks, chained = [], 0
+    for prompt, tr in zip(PROMPTS + REPEATS, chain_traces):
+        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+        check = replay_against_live(eng, make(), make(), prompt, tr, N_NEW)
+        assert check.live.token_ids == ar.token_ids
+        checks.append(check)
+        chained += sum(c.chain_accepted for c in check.live.cycles)
+    assert_mostly_exact(checks)
+    assert chained > 0
+    assert make().chain_rule.tokens == (16 if observes else 8)
+
+
+def test_match_observations_and_their_errors(models, tmp_path):
+    tree, steps = grow(models, 2)
+    obs = LTDObservation(width=W, max_depth=DMAX, use_match=True)
+    assert obs.depth_dim == OBS.depth_dim + 3 and obs.size_dim == OBS.size_dim + 3
+    o = obs.depth_obs(steps[-1], match=[0.5, 0.25, 1.0])
+    assert o[-3:].tolist() == [0.5, 0.25, 1.0] and torch.equal(o[:-3], OBS.depth_obs(steps[-1]))
+    with pytest.raises(ValueError, match="observes the context match"):
+        obs.size_obs(tree)
+    with pytest.raises(ValueError, match="--ltd-chain PATH"):
+        LTDController(LTDConfig(width=W, depth=DMAX, mode="depth"), depth_policy=match_policy("depth", 0))
+    with pytest.raises(ValueError, match="chain_tokens must be >= 1, got 0"):
+        LTDController(LTDConfig(width=W, depth=DMAX, mode="depth", chain_tokens=0), depth_policy=match_policy("depth", 0))
+    with pytest.raises(ValueError, match="chain_tokens must be an integer >= 0, got -1"):
+        LTDConfig(chain_tokens=-1)
+    plain = LTDController(LTDConfig(width=W, depth=DMAX, mode="depth"), depth_policy=rule_policy("depth"))
+    assert plain.chain_rule is None and plain.context_index() is None  # shipped policies: no chain unless asked
+
+
+def test_training_with_match_features(chain_traces, tmp_path):
+    from adaptree.methods.ltd.train import train_ltd
+
+    s = train_ltd(tiny_train_config(tmp_path / "run", only="size", match=True, chain_tokens=8), chain_traces, LAT,
+                  progress=False)
+    pol = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
+    assert LTDObservation.from_dict(pol.config.observation).use_match
+    assert (tmp_path / "run/chain.json").is_file()
+    ctl = make_controller("ltd-size", size_policy=str(tmp_path / "run/policy/size"), width=W, depth=4,
+                          chain=str(tmp_path / "run/chain.json"), chain_tokens=8, ar_fallback=False)
+    chosen = simulate(ctl, [t for t in chain_traces if t.key in s["val_prompts"]], LAT, measure_policy=False)
+    assert chosen.speedup == pytest.approx(s["chosen"]["modelled_speedup"])
+    assert sum(c.chain for r in chosen.runs for c in r.cycles) > 0
+
+
 # ------------------------------------------------------------------------------------------ machine costs (issue 16)
 
 CHEAP_DRAFT = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.0)

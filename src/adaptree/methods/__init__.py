@@ -145,11 +145,11 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("gammatune", GammatuneConfig, GammatuneController),
     Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,), machine_options=("latency",)),
     Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
-           machine_options=("latency", "depth_policy", "size_policy")),
+           machine_options=("latency", "depth_policy", "size_policy", "chain")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],
-           machine_options=("latency", "depth_policy")),
+           machine_options=("latency", "depth_policy", "chain")),
     Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"],
-           machine_options=("latency", "size_policy")),
+           machine_options=("latency", "size_policy", "chain")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True, machine_options=("latency",)),
 )}
 """Method name -> registry entry, in the order the docs list them."""

@@ -100,7 +100,7 @@ class ARGate:
         lat = self.latency
         if lat is None or rec.depth == 0:
             return
-        t = lat.cycle_time(rec.width, rec.depth, rec.size, rec.context_len)
+        t = lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes, rec.context_len)
         ar_rate = 1.0 / max(lat.ar_step(rec.context_len), 1e-12)
         a = max(self.smoothing, 1.0 / (self.drafted + 1))  # a plain mean over the first 1/smoothing cycles
         self.tokens += a * (rec.accepted + 1 - self.tokens)

@@ -167,18 +167,32 @@ class _Bridge(Controller):
         self.inner.reset()
         self.interval, self.left, self.asked, self.muted = [], 0, False, False
 
+    def context_index(self):
+        chain = self.env.chain
+        return chain.index() if chain is not None else self.inner.context_index()
+
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        chain = self.env.chain.begin(ctx) if self.env.chain is not None else ()  # before the observation
         if self.decision != "plan":
             self.asked = False
-            return self.inner.begin_cycle(ctx)
-        if self.left <= 0:
-            if self.interval:
-                self._interval_reward(done=False)
-            a = None if self.muted else self._ask(self.env.observe(ctx))
-            self.plan = self.env.plan_of(a) if a is not None else self.inner.begin_cycle(ctx)
-            self.left = self.env.interval
-        self.left -= 1
-        return self.plan
+            plan = self.inner.begin_cycle(ctx)
+        else:
+            if self.left <= 0:
+                if self.interval:
+                    self._interval_reward(done=False)
+                a = None if self.muted else self._ask(self.env.observe(ctx))
+                self.plan = self.env.plan_of(a) if a is not None else self.inner.begin_cycle(ctx)
+                self.left = self.env.interval
+            self.left -= 1
+            plan = self.plan
+        if chain and not plan.chain:
+            plan = TreePlan(plan.width, plan.max_depth, plan.size, chain)
+        return plan
+
+    def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
+        if self.env.chain is not None:
+            return self.env.chain.choose(tree, plan, size)
+        return self.inner.choose_chain(tree, plan, size)
 
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.decision != "depth" or self.muted:
@@ -230,6 +244,8 @@ class CycleEnv(gym.Env):
     """Base class: a source, a decision point, an inner controller, a reward (see the module docstring).
 
     :param seed: seeds the order in which prompts are visited (a permutation per pass) and the inner rule.
+    :param chain: a :class:`~adaptree.methods.hybrid.chain.ChainRule`: every cycle carries the context's chain
+        (issue 19), chosen by the rule, and observations that use match features read them from it.
     """
 
     metadata = {"render_modes": []}
@@ -237,8 +253,9 @@ class CycleEnv(gym.Env):
 
     def __init__(self, source, inner: Controller | Callable[[np.random.Generator], Controller], obs_dim: int,
                  n_actions: int, reward: str = "throughput", reward_scale: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, chain=None) -> None:
         super().__init__()
+        self.chain = chain
         if reward not in REWARDS:
             raise ValueError(f"unknown reward {reward!r}; available: {', '.join(REWARDS)}")
         self.source, self._inner, self.reward_kind = source, inner, reward
@@ -273,6 +290,8 @@ class CycleEnv(gym.Env):
         """The generation about to run is on ``latency`` (worker thread, before the generation's first decision):
         automatic reward scales follow its autoregressive step, so rewards read as speedups on every member."""
         self.latency = latency
+        if self.chain is not None:
+            self.chain.latency = latency
         if self._auto_scale and isinstance(self.source, SimSource):  # live rewards keep the measured AR step
             self.reward_scale = latency.ar_step(self.source.reference_len)
 

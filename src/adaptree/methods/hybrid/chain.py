@@ -19,6 +19,9 @@ Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), load
 ``max_ngram``, ``edges``, ``rates``, ``trials`` (per bucket and token: the counts behind each rate), ``samples``
 (positions with a match) and ``fingerprints`` (``model`` and ``head`` digests of the traces; the chain
 rates depend on the target's outputs only, the head is recorded for :meth:`check`).
+
+:class:`ChainRule` puts a context chain into any other controller's cycles (the learned ones: LTD's
+``chain_tokens``), and :data:`MATCH_FEATURES` are what their policies observe of the match.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaptree.core.context import ContextMatch
+import torch
+
+from adaptree.core.context import ContextIndex, ContextMatch
 from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, context_matches
 
@@ -168,4 +173,110 @@ class ChainCalibration:
         return read_json_as(path, cls.from_dict, "chain calibration")
 
 
-__all__ = ["ChainCalibration", "DEFAULT_EDGES"]
+def shared_ranks(tree, chain: Sequence[int], order: torch.Tensor) -> np.ndarray:
+    """Ranks (in the top-V order ``order`` of ``tree``'s candidates) of the head candidates on ``chain``'s path,
+    from the root down, as long as the chain follows the head's candidates: the chain's first ``s`` tokens are
+    already among the top-V nodes for every ``V`` above the first ``s`` ranks."""
+    tokens, parents = tree.candidate_tokens(), tree.candidate_parents()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    out, cur = [], -1
+    for t in chain:
+        hit = ((parents == cur) & (tokens == int(t))).nonzero()
+        if hit.numel() == 0:
+            break
+        cur = int(hit[0, 0])
+        out.append(int(rank[cur]))
+    return np.asarray(out, np.int64)
+
+
+MATCH_FEATURES = ("chain_first", "chain_expected", "match_length")
+"""What a learned policy observes of the cycle's context match (:meth:`ChainRule.features`), whatever the chain's
+length: P(the chain's first token accepted), the expected accepted tokens of a 16-token chain over 16, and the match
+length over 16 (capped at 1); all 0 without a match."""
+
+MATCH_LENGTH_SCALE = 16
+
+
+class ChainRule:
+    """A context chain in the cycles of a controller that decides the head's tree by other means (a learned policy).
+
+    * :meth:`index`: the :class:`~adaptree.core.context.ContextIndex` the loop keeps (the controller's
+      ``context_index``).
+    * :meth:`begin` (in ``begin_cycle``): the longest earlier match of the context; its continuation (``tokens``
+      long) is the plan's chain; :meth:`features` describe it (:data:`MATCH_FEATURES`).
+    * :meth:`choose` (``choose_chain``): with a latency model, the chain length ``k`` that maximises
+      ``C(max(k, s)) - C(s) - (verify(V + max(0, k - s)) - verify(V)) / ar_step``, ``C`` the calibrated expected
+      accepted chain tokens (:meth:`ChainCalibration.probs`), ``s`` the chain's first tokens already among the head's
+      top-V nodes: a chain token is verified when its acceptance is worth its verification time at the autoregressive
+      rate (the least a drafting controller earns). Without a latency model, the whole chain.
+
+    Decisions depend on the context and the modelled costs only: replay makes the live engine's decisions.
+    """
+
+    def __init__(self, calibration: ChainCalibration, tokens: int = 16) -> None:
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"chain tokens must be a positive integer, got {tokens!r}")
+        self.cal, self.tokens = calibration, tokens
+        self.latency = None
+        self.begin_match(None, 0)
+
+    @classmethod
+    def of(cls, config, calibration: ChainCalibration | None, observes: bool, method: str) -> "ChainRule | None":
+        """The rule a learned method's config asks for (its ``chain`` calibration file and ``chain_tokens``, default 16
+        when its policies observe the match (``observes``), else 0), or None without a chain."""
+        tokens = config.chain_tokens if config.chain_tokens is not None else (16 if observes else 0)
+        if observes and tokens < 1:
+            raise ValueError(f"{method}'s policies observe the context match: chain_tokens must be >= 1, got {tokens}")
+        if tokens == 0:
+            return None
+        if calibration is None:
+            if not config.chain:
+                raise ValueError(f"{method} with a context chain needs a chain calibration: pass "
+                                 f"--{method.split('-')[0]}-chain PATH (the machine setup's chain.json; fit one with "
+                                 f"adaptree.methods.hybrid.ChainCalibration.fit(traces).save(PATH))")
+            calibration = ChainCalibration.load(config.chain)
+        return cls(calibration, tokens)
+
+    def index(self) -> ContextIndex:
+        return ContextIndex(max_ngram=self.cal.max_ngram)
+
+    def begin_match(self, match: ContextMatch | None, context_len: int) -> tuple[int, ...]:
+        self.match, self.context_len = match, int(context_len)
+        self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match))])  # C(k), k = 0..K
+        return match.tokens if match is not None else ()
+
+    def begin(self, ctx) -> tuple[int, ...]:
+        """The cycle's chain (empty without a match) from ``ctx``'s index (a :class:`~adaptree.core.controller.CycleContext`)."""
+        if ctx.index is None:
+            raise ValueError("the chain rule needs the loop's context index: return ChainRule.index() from the "
+                             "controller's context_index()")
+        return self.begin_match(ctx.index.match(self.tokens, 1), ctx.context_len)
+
+    def features(self) -> list[float]:
+        """:data:`MATCH_FEATURES` of the cycle's match."""
+        m = self.match
+        if m is None:
+            return [0.0, 0.0, 0.0]
+        c = self.cal.probs(ContextMatch(m.length, m.count, m.position, (0,) * MATCH_LENGTH_SCALE))  # chain-length free
+        return [float(c[0]), float(c.mean()), min(m.length, MATCH_LENGTH_SCALE) / MATCH_LENGTH_SCALE]
+
+    def choose(self, tree, plan, size: int) -> int:
+        """How many of ``plan.chain``'s tokens to verify next to the head's top-``size`` nodes of ``tree``."""
+        k_max = min(len(plan.chain), self.gain.size - 1)
+        lat = self.latency
+        if lat is None or k_max == 0:
+            return k_max
+        s = 0
+        if tree is not None and size > 0:
+            order = torch.sort(tree.candidate_scores(), descending=True, stable=True).indices
+            s = int((shared_ranks(tree, plan.chain[:k_max], order) < size).sum())  # as the hybrid rule counts them
+        L = self.context_len
+        ks = np.arange(k_max + 1)
+        added = np.maximum(ks - s, 0)
+        verify = lat.verify_times(size + added, L) - lat.verify_time(size, L)
+        value = self.gain[np.maximum(ks, s)] - self.gain[s] - verify / max(lat.ar_step(L), 1e-12)
+        return int(np.argmax(value))
+
+
+__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "shared_ranks"]

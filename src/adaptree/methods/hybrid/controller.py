@@ -42,7 +42,7 @@ from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.tree import DraftTree
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController, _load
-from adaptree.methods.hybrid.chain import ChainCalibration
+from adaptree.methods.hybrid.chain import ChainCalibration, shared_ranks
 from adaptree.offline.latency import LatencyModel
 
 
@@ -109,21 +109,6 @@ class HybridController(CostAwareController):
         self.k_star = len(m.tokens)
         return TreePlan(plan.width, plan.max_depth, plan.size, m.tokens)
 
-    def _shared(self, tree: DraftTree, chain: tuple[int, ...], order: torch.Tensor) -> np.ndarray:
-        """Ranks (in the top-V order) of the head candidates on the chain's path, from the root down, as long as
-        the chain follows the head's candidates."""
-        tokens, parents = tree.candidate_tokens(), tree.candidate_parents()
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=order.device)
-        out, cur = [], -1
-        for t in chain:
-            hit = ((parents == cur) & (tokens == int(t))).nonzero()
-            if hit.numel() == 0:
-                break
-            cur = int(hit[0, 0])
-            out.append(int(rank[cur]))
-        return np.asarray(out, np.int64)
-
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if not plan.chain:
             return super().choose_size(tree, plan)
@@ -133,7 +118,7 @@ class HybridController(CostAwareController):
         k_v = min(limit, scores.numel())
         p = self.calibration(scores[order[:k_v]]) if k_v else np.zeros(0)
         gain_h = np.concatenate([[0.0], np.cumsum(p)])  # G(V), V = 0..k_v
-        shared = self._shared(tree, plan.chain, order)
+        shared = shared_ranks(tree, plan.chain, order)
         v_all = np.arange(k_v + 1)
         s_v = (shared[None, :] < v_all[:, None]).sum(1) if shared.size else np.zeros(k_v + 1, np.int64)
         k_all = np.arange(self.gain_c.size)

@@ -13,6 +13,11 @@ autoregressive step), read from this machine's latency model at inference (``lat
 setup) and from the family member of each generation in training; without a latency model the policy's
 ``reference_costs`` stand in.
 
+With ``use_match`` (issue 19) they also end with the cycle's context-match features
+(:data:`adaptree.methods.hybrid.chain.MATCH_FEATURES`) and every cycle carries the context's chain next to the
+policies' tree, its length chosen by :class:`~adaptree.methods.hybrid.chain.ChainRule` (``chain_tokens`` adds the
+chain to policies that do not observe the match, too).
+
 L is the true context length at training and at inference (the public code reads it after the input
 ids were overwritten: a constant at inference). The observation is built by :class:`LTDObservation`,
 the one function the simulator environments (training) and this controller (inference) share, and its
@@ -40,6 +45,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.ar_gate import ARGate
+from adaptree.methods.hybrid.chain import ChainRule
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -69,6 +75,8 @@ class LTDObservation:
     """Append the machine's cost features (adaptree.offline.family.COST_FEATURES; issue 16)."""
     reference_costs: list[float] | None = None
     """The cost features assumed when no latency model is given (the training family's median)."""
+    use_match: bool = False
+    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19)."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
@@ -96,9 +104,11 @@ class LTDObservation:
         return self.width + (self.max_depth - 1) * self.width * self.width
 
     def _extras(self) -> int:
+        from adaptree.methods.hybrid.chain import MATCH_FEATURES
         from adaptree.offline.family import COST_FEATURES
 
-        return int(self.use_depth) + int(self.use_length) + (len(COST_FEATURES) if self.use_costs else 0)
+        return (int(self.use_depth) + int(self.use_length) + (len(COST_FEATURES) if self.use_costs else 0)
+                + (len(MATCH_FEATURES) if self.use_match else 0))
 
     def costs_of(self, latency) -> list[float] | None:
         """The cost features of ``latency`` for this observation (None when it does not use them)."""
@@ -119,10 +129,10 @@ class LTDObservation:
         """What an empty score slot holds."""
         return self.score_floor * self.score_scale
 
-    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
-               costs: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sorted, clamped, scaled scores; the extras D, L and the costs): the observation without its
-        padding."""
+    def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int, costs: list[float] | None = None,
+               match: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sorted, clamped, scaled scores; the extras D, L, the costs and the match features): the observation
+        without its padding."""
         s = scores.detach().float().reshape(-1).cpu()
         if s.numel() > n:
             raise ValueError(f"{s.numel()} scores do not fit the observation's {n} slots "
@@ -135,25 +145,36 @@ class LTDObservation:
             from adaptree.offline.family import costs_or_reference
 
             extras += list(costs_or_reference(costs, self.reference_costs, "ltd"))
+        if self.use_match:
+            from adaptree.methods.hybrid.chain import MATCH_FEATURES
+
+            if match is None or len(match) != len(MATCH_FEATURES):
+                raise ValueError(f"this LTD policy observes the context match (use_match): it needs the "
+                                 f"{len(MATCH_FEATURES)} match features {MATCH_FEATURES}, got {match!r}")
+            extras += [float(x) for x in match]
         return head, torch.tensor(extras, dtype=torch.float32)
 
     def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
-                costs: list[float] | None) -> torch.Tensor:
-        head, tail = self._parts(scores, n, depth, context_len, costs)
+                costs: list[float] | None, match: list[float] | None) -> torch.Tensor:
+        head, tail = self._parts(scores, n, depth, context_len, costs, match)
         return torch.cat([head, torch.full((n - head.numel(),), self.pad_value), tail])
 
-    def depth_obs(self, step: DraftStep, costs: list[float] | None = None) -> torch.Tensor:
+    def depth_obs(self, step: DraftStep, costs: list[float] | None = None,
+                  match: list[float] | None = None) -> torch.Tensor:
         """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L
-        (and the costs)."""
-        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs)
+        (and the costs, the match features)."""
+        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs, match)
 
-    def size_obs(self, tree: DraftTree, costs: list[float] | None = None) -> torch.Tensor:
-        """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L (and the costs)."""
-        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs)
+    def size_obs(self, tree: DraftTree, costs: list[float] | None = None,
+                 match: list[float] | None = None) -> torch.Tensor:
+        """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L (and the costs, the match
+        features)."""
+        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match)
 
-    def size_parts(self, tree: DraftTree, costs: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def size_parts(self, tree: DraftTree, costs: list[float] | None = None,
+                   match: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`size_obs` without the padding, for :meth:`~adaptree.rl.policy.MLPPolicy.act_padded`."""
-        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs)
+        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match)
 
 
 @dataclass
@@ -182,10 +203,19 @@ class LTDConfig(TreeShape):
     probe_every: int = 8
     """In AR mode, AR steps before a probe, counted in units of the cost of the policies's smallest tree (the interval
     doubles while probes fail, up to 8x)."""
+    chain: str | None = None
+    """Chain calibration JSON of this model (the machine setup's chain.json): for policies that observe the context
+    match, and for chain_tokens."""
+    chain_tokens: int | None = None
+    """Longest context chain verified per cycle next to the policies' tree (adaptree.methods.hybrid.ChainRule;
+    issue 19). Default: 16 with policies that observe the context match, else none (0)."""
 
     unset_depth: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
+        if self.chain_tokens is not None and (isinstance(self.chain_tokens, bool)
+                                              or not isinstance(self.chain_tokens, int) or self.chain_tokens < 0):
+            raise ValueError(f"chain_tokens must be an integer >= 0, got {self.chain_tokens!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
@@ -221,11 +251,13 @@ class LTDController(Controller):
 
     :param depth_policy, size_policy: loaded :class:`~adaptree.rl.policy.MLPPolicy` objects (override the
         config's folders; used by training to evaluate policies in memory).
+    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
     """
 
     name = "ltd"
 
-    def __init__(self, config: LTDConfig | None = None, depth_policy=None, size_policy=None) -> None:
+    def __init__(self, config: LTDConfig | None = None, depth_policy=None, size_policy=None,
+                 chain_calibration=None) -> None:
         self.config = cfg = config or LTDConfig()
         self.name = {"both": "ltd", "depth": "ltd-depth", "size": "ltd-size"}[cfg.mode]
         self.depth_policy = self.size_policy = None
@@ -250,6 +282,8 @@ class LTDController(Controller):
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
+        self.chain_rule = ChainRule.of(cfg, chain_calibration, any(o.use_match for o in obs), self.name)
+        self.match: list[float] | None = None
         self.gate = ARGate.of(cfg)
         self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
         if cfg.latency:
@@ -264,6 +298,11 @@ class LTDController(Controller):
             self.size_costs = self.size_obs.costs_of(latency)
         if self.gate is not None:
             self.gate.latency = latency
+        if self.chain_rule is not None:
+            self.chain_rule.latency = latency
+
+    def context_index(self):
+        return self.chain_rule.index() if self.chain_rule is not None else None
 
     def reset(self) -> None:
         if self.gate is not None:
@@ -271,10 +310,17 @@ class LTDController(Controller):
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         plan, gate = self.plan, self.gate
+        chain = ()
+        if self.chain_rule is not None:
+            chain = self.chain_rule.begin(ctx)
+            self.match = self.chain_rule.features()
         if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
                                                                           ctx.context_len):
-            return AR_PLAN
-        return self.plan
+            plan = AR_PLAN
+        return TreePlan(plan.width, plan.max_depth, plan.size, chain) if chain else plan
+
+    def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
+        return self.chain_rule.choose(tree, plan, size)
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
@@ -283,11 +329,11 @@ class LTDController(Controller):
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:
             return True
-        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs)) == CONTINUE
+        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs, self.match)) == CONTINUE
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:
             return plan.size
-        head, tail = self.size_obs.size_parts(tree, self.size_costs)  # mostly padding: skip multiplying it
+        head, tail = self.size_obs.size_parts(tree, self.size_costs, self.match)  # mostly padding: skip multiplying it
         return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
                                                       tail)]

@@ -21,6 +21,14 @@ class _LTDEnv(CycleEnv):
         super().use_latency(latency)
         self.costs = self.obs_spec.costs_of(latency)
 
+    def match(self) -> list[float] | None:
+        """The cycle's match features, for observations that use them (the environment's chain rule has them)."""
+        if not self.obs_spec.use_match:
+            return None
+        if self.chain is None:
+            raise ValueError("an LTD observation with use_match needs an environment with a chain rule (chain=...)")
+        return self.chain.features()
+
 
 class DepthEnv(_LTDEnv):
     """LTD's depth decisions: after every draft forward, STOP (0) or CONTINUE (1).
@@ -37,7 +45,7 @@ class DepthEnv(_LTDEnv):
         super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
 
     def observe(self, step: DraftStep) -> np.ndarray:
-        return self.obs_spec.depth_obs(step, self.costs).numpy()
+        return self.obs_spec.depth_obs(step, self.costs, self.match()).numpy()
 
 
 class SizeEnv(_LTDEnv):
@@ -56,7 +64,7 @@ class SizeEnv(_LTDEnv):
         super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
 
     def observe(self, tree: DraftTree) -> np.ndarray:
-        return self.obs_spec.size_obs(tree, self.costs).numpy()
+        return self.obs_spec.size_obs(tree, self.costs, self.match()).numpy()
 
     def size_of(self, action: int) -> int:
         return self.sizes[action]

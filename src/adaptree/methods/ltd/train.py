@@ -56,6 +56,7 @@ from adaptree.methods.ltd.controller import (
     LTDController,
     LTDObservation,
 )
+from adaptree.methods.hybrid.chain import ChainCalibration, ChainRule
 from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
@@ -135,6 +136,11 @@ class LTDTrainConfig:
     spread: float = 1.0
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
+    match: bool = False
+    """The policies observe the cycle's context match and every cycle carries the context's chain (issue 19; the
+    chain calibration is fitted on the training traces, ``OUT/chain.json``)."""
+    chain_tokens: int = 16
+    """With ``match``: the longest context chain per cycle."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -165,13 +171,16 @@ class LTDTrainConfig:
         self.family = tuple(str(f) for f in self.family)
         if not self.spread >= 1.0:
             raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
+        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 1:
+            raise ValueError(f"chain_tokens must be a positive integer, got {self.chain_tokens!r}")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")
 
     def observation(self, reference_costs: list[float] | None = None) -> LTDObservation:
         return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
-                              use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs)
+                              use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs,
+                              use_match=self.match)
 
     def stages(self) -> list[str]:
         if self.only:
@@ -206,17 +215,20 @@ def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list
 
 
 def _ltd(cfg: LTDTrainConfig, depth_policy: MLPPolicy | None = None, size_policy: MLPPolicy | None = None,
-         **shape) -> LTDController:
-    """An LTD controller of in-memory policies, as training evaluates it: the policies alone (no AR fallback)."""
-    return LTDController(LTDConfig(width=cfg.width, ar_fallback=False, **shape), depth_policy=depth_policy,
-                         size_policy=size_policy)
+         chain_cal=None, **shape) -> LTDController:
+    """An LTD controller of in-memory policies, as training evaluates it: the policies alone (no AR fallback), with
+    the run's context chain when it trains with ``match`` (``chain_cal``: the run's chain calibration)."""
+    chain = dict(chain_tokens=cfg.chain_tokens) if cfg.match else {}
+    return LTDController(LTDConfig(width=cfg.width, ar_fallback=False, **chain, **shape), depth_policy=depth_policy,
+                         size_policy=size_policy, chain_calibration=chain_cal)
 
 
 class _Stage:
     """One PPO run; what it learns, against what, and how it is validated."""
 
-    def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None, obs: LTDObservation) -> None:
-        self.name, self.cfg, self.partner, self.obs = name, cfg, partner, obs
+    def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None, obs: LTDObservation,
+                 chain_cal=None) -> None:
+        self.name, self.cfg, self.partner, self.obs, self.chain_cal = name, cfg, partner, obs, chain_cal
         self.kind = "size" if name.endswith("size") else "depth"
         self.iteration = name.startswith("iter")
 
@@ -240,27 +252,28 @@ class _Stage:
         if self.kind == "size":
             if self.partner is None:
                 return RandomDepthController(rng, c.width, 1, c.max_depth, c.fixed_size)
-            return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner)
+            return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner, chain_cal=self.chain_cal)
         if self.partner is None:
             return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
-        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner)
+        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner, chain_cal=self.chain_cal)
 
     def controller(self, policy: MLPPolicy) -> LTDController:
         """How the stage's policy is validated (see the module docstring)."""
-        c = self.cfg
+        c, cal = self.cfg, self.chain_cal
         if self.kind == "size":
             if self.partner is None:
-                return _ltd(c, depth=c.fixed_depth, mode="size", size_policy=policy)
-            return _ltd(c, depth=c.max_depth, depth_policy=self.partner, size_policy=policy)
+                return _ltd(c, depth=c.fixed_depth, mode="size", size_policy=policy, chain_cal=cal)
+            return _ltd(c, depth=c.max_depth, depth_policy=self.partner, size_policy=policy, chain_cal=cal)
         if self.partner is None:
-            return _ltd(c, depth=c.max_depth, size=c.fixed_size, mode="depth", depth_policy=policy)
-        return _ltd(c, depth=c.max_depth, depth_policy=policy, size_policy=self.partner)
+            return _ltd(c, depth=c.max_depth, size=c.fixed_size, mode="depth", depth_policy=policy, chain_cal=cal)
+        return _ltd(c, depth=c.max_depth, depth_policy=policy, size_policy=self.partner, chain_cal=cal)
 
     def make_env(self, source, seed: int):
         c, obs = self.cfg, self.obs
+        chain = ChainRule(self.chain_cal, c.chain_tokens) if c.match else None  # one per environment: it has state
         if self.kind == "size":
-            return SizeEnv(source, obs, self.inner, sizes=c.sizes, reward=c.reward, seed=seed)
-        return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed)
+            return SizeEnv(source, obs, self.inner, sizes=c.sizes, reward=c.reward, seed=seed, chain=chain)
+        return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed, chain=chain)
 
 
 def evaluate(controller, traces: list, latency) -> dict:
@@ -376,14 +389,24 @@ def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
     pair = {f"init-{k}": MLPPolicy.load(folder / k, kind=f"ltd-{k}") for k in ("depth", "size")}
     for name, p in pair.items():
         o = LTDObservation.from_dict(p.config.observation)
-        if (o.width, o.max_depth, o.use_costs) != (cfg.width, cfg.max_depth, cfg.costs):
+        if (o.width, o.max_depth, o.use_costs, o.use_match) != (cfg.width, cfg.max_depth, cfg.costs, cfg.match):
             raise ValueError(f"{folder}/{name[5:]}: the policy was trained with W={o.width}, max_depth={o.max_depth}, "
-                             f"costs={o.use_costs}; this run has W={cfg.width}, max_depth={cfg.max_depth}, "
-                             f"costs={cfg.costs}")
+                             f"costs={o.use_costs}, match={o.use_match}; this run has W={cfg.width}, "
+                             f"max_depth={cfg.max_depth}, costs={cfg.costs}, match={cfg.match}")
     if list(pair["init-size"].config.actions) != list(cfg.sizes):
         raise ValueError(f"{folder}/size chooses V from {pair['init-size'].config.actions}, this run from "
                          f"{list(cfg.sizes)} (pass --sizes to match)")
     return pair
+
+
+def _chain_calibration(cfg: LTDTrainConfig, train: list, out: Path):
+    """With ``match``: the chain calibration of the training traces (``out/chain.json``, fitted once), else None."""
+    if not cfg.match:
+        return None
+    path = out / "chain.json"
+    if not path.is_file():
+        ChainCalibration.fit(train).save(path)
+    return ChainCalibration.load(path)
 
 
 def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> TrainingResult:
@@ -400,6 +423,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")}, family)
     pin_settings(out, settings, "an LTD run")
     train, val = split_traces(traces, cfg.val_fraction, cfg.seed)
+    chain_cal = _chain_calibration(cfg, train, out)
     if live_source is not None and cfg.costs:
         live_source.latency = latency
     source = live_source or SimSource(train, latency, family=family)
@@ -417,7 +441,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         kind = "size" if name.endswith("size") else "depth"
         other = "depth" if kind == "size" else "size"
         partner = policies[last_of[other]] if name.startswith("iter") else None
-        stage = _Stage(name, cfg, partner, obs)
+        stage = _Stage(name, cfg, partner, obs, chain_cal)
         folder = out / name
         done = folder / "result.json"
         if done.exists() and (folder / "policy" / "config.json").exists():
@@ -432,7 +456,8 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         last_of[kind] = name
 
     if cfg.only:
-        return _finish_single(cfg, out, settings, train, val, results, policies, val_latency, fps, t_start, obs)
+        return _finish_single(cfg, out, settings, train, val, results, policies, val_latency, fps, t_start, obs,
+                              chain_cal)
     # Iter0..IterN: the pairs the co-adaptation went through, on validation
     pairs = [("init-depth", "init-size") if cfg.init else ("stage1-depth", "stage1-size")]
     for name in cfg.stages()[0 if cfg.init else 2:]:
@@ -440,7 +465,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         pairs.append((name, s) if name.endswith("depth") else (d, name))
     table = []
     for i, (d, s) in enumerate(pairs):
-        ev = evaluate(_ltd(cfg, policies[d], policies[s], depth=cfg.max_depth), val, val_latency)
+        ev = evaluate(_ltd(cfg, policies[d], policies[s], chain_cal, depth=cfg.max_depth), val, val_latency)
         table.append({"iteration": i, "depth_policy": d, "size_policy": s, **ev})
     best = max(table, key=lambda r: r["modelled_speedup"])
     export = out / "policy"
@@ -454,8 +479,8 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
                                             val, val_latency)}
     for kind in ("depth", "size") if not cfg.init else ():
         name = f"stage1-{kind}"
-        baselines[f"ltd-{kind}(stage1)"] = evaluate(_Stage(name, cfg, None, obs).controller(policies[name]), val,
-                                                    val_latency)
+        baselines[f"ltd-{kind}(stage1)"] = evaluate(_Stage(name, cfg, None, obs, chain_cal).controller(policies[name]),
+                                                    val, val_latency)
     summary = {"settings": settings, "train_prompts": [t.key for t in train], "val_prompts": [t.key for t in val],
                "stages": results, "iterations": table, "chosen": best, "baselines_val": baselines,
                "train_seconds_this_run": time.perf_counter() - t_start,
@@ -464,10 +489,10 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
 
 
 def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start,
-                   obs: LTDObservation) -> TrainingResult:
+                   obs: LTDObservation, chain_cal) -> TrainingResult:
     """``only``: export the one stage-1 policy; summary with its validation next to the static default."""
     name = f"stage1-{cfg.only}"
-    stage = _Stage(name, cfg, None, obs)
+    stage = _Stage(name, cfg, None, obs, chain_cal)
     ev = evaluate(stage.controller(policies[name]), val, latency)
     policies[name].save(out / "policy" / cfg.only, training={
         "stage": name, "val_modelled_speedup": ev["modelled_speedup"], "reward": cfg.reward,
