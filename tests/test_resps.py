@@ -357,7 +357,8 @@ def test_registry_and_cli_flags(tmp_path):
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "hi", "--method", "resps", "--resps-state", "sum"])
     assert asdict(ReSpSConfig()) == {"policy": None, "interval": 30, "state": None, "temperature": None, "seed": 0,
-                                     "latency": None, "ar_fallback": True, "probe_every": 8}
+                                     "latency": None, "ar_fallback": True, "probe_every": 8, "chain": None,
+                                     "chain_tokens": None}
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -673,3 +674,74 @@ def test_real_minilm_encoder_from_its_package():
                                 "The weather in Paris is mild in spring."))
     assert enc.dim == 384 and a.shape == (384,) and torch.linalg.vector_norm(a).item() == pytest.approx(1.0, abs=1e-5)
     assert float(a @ b) > float(a @ c) + 0.2  # paraphrases are closer than unrelated text
+
+
+# ----------------------------------------------------------------------------------------------- context chains (issue 19)
+
+REPEATS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def chain_traces(models):
+    """Traces 16 tokens longer than the generations replayed on them (a chain's acceptance near a generation's end
+    is then known to the replay too)."""
+    target, head = models
+    s = TraceSettings(widths=(2, 4), max_depth=4, max_new_tokens=N_NEW + 16, feature_dtype="float32")
+    with torch.inference_mode():
+        return [record_trace(target, head, p, settings=s, key=f"c{i}") for i, p in enumerate(PROMPTS + REPEATS)]
+
+
+def test_match_state_and_chains_are_lossless_and_replay_like_the_live_engine(models, chain_traces):
+    from adaptree.methods.hybrid import ChainCalibration
+
+    target, head = models
+    cal = ChainCalibration.fit(chain_traces)
+    state = ReSpSState(H, use_match=True)
+    assert state.dim == 3 * H + 3
+    f = torch.randn(3 * H)
+    x = state(f, [0.5, 0.25, 1.0])
+    assert x[-3:].tolist() == [0.5, 0.25, 1.0] and torch.equal(x[:-3], ReSpSState(H)(f))
+    with pytest.raises(ValueError, match="observes the context match"):
+        state(torch.randn(3 * H))
+    pol = nearest_center_policy(state)
+    with torch.no_grad():
+        pol.body[0].weight[0, -3:] = 3.0  # the match moves the choice
+    with pytest.raises(ValueError, match="--resps-chain PATH"):
+        ReSpSController(ReSpSConfig(), policy=pol)
+
+    def make():
+        c = ReSpSController(ReSpSConfig(interval=2), policy=pol, chain_calibration=cal)
+        c.use_latency(LAT)
+        return c
+
+    eng = Engine(target, head)
+    checks, chained, plans = [], 0, set()
+    for prompt, tr in zip(PROMPTS + REPEATS, chain_traces):
+        ar = eng.generate(prompt, None, max_new_tokens=N_NEW)
+        check = replay_against_live(eng, make(), make(), prompt, tr, N_NEW)
+        assert check.live.token_ids == ar.token_ids
+        checks.append(check)
+        chained += sum(c.chain_accepted for c in check.live.cycles)
+        plans |= {(c.width, c.size) for c in check.live.cycles if c.depth}
+    assert_mostly_exact(checks)
+    assert chained > 0 and len(plans) > 1
+    plain = ReSpSController(ReSpSConfig(chain_tokens=4), policy=nearest_center_policy(), chain_calibration=cal)
+    assert plain.chain_rule.tokens == 4 and ctl().context_index() is None  # no chain unless asked
+
+
+def test_training_with_match_features(models, chain_traces, tmp_path):
+    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.resps.train import train_resps
+
+    source, validator, val = sim_setup(chain_traces)
+    cal = ChainCalibration.fit(source.traces)
+    cfg = tiny_config(tmp_path / "run", match=True, chain_tokens=8)
+    with pytest.raises(ValueError, match="chain calibration"):
+        train_resps(cfg, source, validator, hidden=H, progress=False)
+    s = train_resps(cfg, source, validator, hidden=H, progress=False, chain_calibration=cal)
+    c = make_controller("resps", policy=str(tmp_path / "run/policy"), ar_fallback=False,
+                        chain=str(tmp_path / "run/chain.json"), chain_tokens=8)
+    assert c.state.use_match and c.state.dim == 3 * H + 3
+    sim = simulate(c, val, LAT, measure_policy=False)
+    assert sim.speedup == pytest.approx(s["resps"]["resps N=30"]["modelled_speedup"], rel=1e-9)
+    assert sum(cy.chain for r in sim.runs for cy in r.cycles) > 0

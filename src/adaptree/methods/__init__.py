@@ -150,7 +150,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            machine_options=("latency", "depth_policy", "chain")),
     Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"],
            machine_options=("latency", "size_policy", "chain")),
-    Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True, machine_options=("latency",)),
+    Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
+           machine_options=("latency", "chain")),
 )}
 """Method name -> registry entry, in the order the docs list them."""
 

@@ -198,6 +198,13 @@ length over 16 (capped at 1); all 0 without a match."""
 MATCH_LENGTH_SCALE = 16
 
 
+def check_chain_tokens(value) -> None:
+    """A learned method's ``chain_tokens`` setting: None (the default rule of :meth:`ChainRule.of`) or an integer
+    >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"chain_tokens must be an integer >= 0, got {value!r}")
+
+
 class ChainRule:
     """A context chain in the cycles of a controller that decides the head's tree by other means (a learned policy).
 
@@ -279,4 +286,4 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "shared_ranks"]
+__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "shared_ranks"]

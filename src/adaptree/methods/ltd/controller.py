@@ -45,7 +45,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import ChainRule
+from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -213,9 +213,7 @@ class LTDConfig(TreeShape):
     unset_depth: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
-        if self.chain_tokens is not None and (isinstance(self.chain_tokens, bool)
-                                              or not isinstance(self.chain_tokens, int) or self.chain_tokens < 0):
-            raise ValueError(f"chain_tokens must be an integer >= 0, got {self.chain_tokens!r}")
+        check_chain_tokens(self.chain_tokens)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:

@@ -24,6 +24,10 @@ features, and the choice is kept for N cycles (action caching).
 * Action caching: the policy runs at the first cycle of a generation (every turn of a conversation is a
   generation: the cache starts empty, as in the paper's Algorithm 2) and then every ``interval`` cycles
   (N = 30 at inference; training uses N = 10, see :mod:`adaptree.rl.resps_train`).
+* Context chains (issue 19): with ``use_match`` the state also ends with the decision cycle's context-match
+  features (:data:`adaptree.methods.hybrid.chain.MATCH_FEATURES`), and every cycle (not only the decision's)
+  carries the context's chain next to the cached tree, its length chosen by
+  :class:`~adaptree.methods.hybrid.chain.ChainRule` (``chain_tokens`` adds it to other policies too).
 * Decisions: argmax at ``temperature`` 0; the max-entropy variant samples softmax(logits / 1.5) with the
   controller's own seeded generator (reset every generation; the token sampler's generator and torch's
   global RNG are never touched), so the output stays lossless either way — only the tree shape is random.
@@ -52,6 +56,7 @@ from adaptree.core.controller import (
 )
 from adaptree.core.records import CycleRecord
 from adaptree.methods.ar_gate import ARGate
+from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
 
 RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
 """TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
@@ -144,6 +149,8 @@ class ReSpSState:
     """embedding only: the encoder's output size."""
     max_tokens: int = 256
     """embedding only: encoder tokens kept (the end of the context)."""
+    use_match: bool = False
+    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19)."""
 
     def __post_init__(self) -> None:
         if int(self.hidden) < 1:
@@ -160,9 +167,22 @@ class ReSpSState:
 
     @property
     def dim(self) -> int:
+        from adaptree.methods.hybrid.chain import MATCH_FEATURES
+
+        extra = len(MATCH_FEATURES) if self.use_match else 0
         if self.state == "embedding":
-            return self.encoder_dim
-        return 3 * self.hidden if self.state == "concat" else self.hidden
+            return self.encoder_dim + extra
+        return (3 * self.hidden if self.state == "concat" else self.hidden) + extra
+
+    def _with_match(self, x: torch.Tensor, match: list[float] | None) -> torch.Tensor:
+        if not self.use_match:
+            return x
+        from adaptree.methods.hybrid.chain import MATCH_FEATURES
+
+        if match is None or len(match) != len(MATCH_FEATURES):
+            raise ValueError(f"this Re-SpS policy observes the context match (use_match): it needs the "
+                             f"{len(MATCH_FEATURES)} match features {MATCH_FEATURES}, got {match!r}")
+        return torch.cat([x, torch.tensor([float(m) for m in match], dtype=torch.float32)])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,8 +191,9 @@ class ReSpSState:
     def from_dict(cls, d: dict) -> "ReSpSState":
         return cls(**d)
 
-    def __call__(self, features: torch.Tensor | None) -> torch.Tensor:
-        """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]``."""
+    def __call__(self, features: torch.Tensor | None, match: list[float] | None = None) -> torch.Tensor:
+        """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]`` (and the match
+        features, for a state that uses them)."""
         if self.state == "embedding":
             raise ValueError("the 'embedding' state is built from the context text: use ReSpSState.observer")
         if features is None:
@@ -187,14 +208,15 @@ class ReSpSState:
         g = f.view(3, self.hidden)
         if self.normalize == "rms":
             g = g * torch.rsqrt(g.square().mean(dim=1, keepdim=True) + self.eps)
-        return g.reshape(-1) if self.state == "concat" else g.mean(dim=0)
+        return self._with_match(g.reshape(-1) if self.state == "concat" else g.mean(dim=0), match)
 
-    def observer(self, tokenizer=None) -> Callable[[CycleContext], torch.Tensor]:
-        """``ctx -> [dim]``: the function the controller (inference) and the environments (training) share.
-        Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
-        ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it."""
+    def observer(self, tokenizer=None) -> Callable[..., torch.Tensor]:
+        """``(ctx, match=None) -> [dim]``: the function the controller (inference) and the environments (training)
+        share. Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
+        ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it; ``match``:
+        the cycle's match features (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`)."""
         if self.state != "embedding":
-            return lambda ctx: self(ctx.features)
+            return lambda ctx, match=None: self(ctx.features, match)
         if tokenizer is None:
             raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
                              "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
@@ -205,8 +227,8 @@ class ReSpSState:
             raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
                              f"{self.encoder_dim}")
 
-        def observe(ctx: CycleContext) -> torch.Tensor:
-            return enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids)))
+        def observe(ctx: CycleContext, match: list[float] | None = None) -> torch.Tensor:
+            return self._with_match(enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids))), match)
 
         return observe
 
@@ -239,8 +261,15 @@ class ReSpSConfig:
     probe_every: int = 8
     """In AR mode, AR steps before a probe, counted in units of the cost of the policy's smallest tree (the interval
     doubles while probes fail, up to 8x)."""
+    chain: str | None = None
+    """Chain calibration JSON of this model (the machine setup's chain.json): for a policy that observes the context
+    match, and for chain_tokens."""
+    chain_tokens: int | None = None
+    """Longest context chain verified per cycle next to the policy's tree (adaptree.methods.hybrid.ChainRule;
+    issue 19). Default: 16 with a policy that observes the context match, else none (0)."""
 
     def __post_init__(self) -> None:
+        check_chain_tokens(self.chain_tokens)
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if int(self.interval) < 1:
@@ -268,11 +297,13 @@ class ReSpSController(Controller):
     :param policy: a loaded :class:`~adaptree.rl.policy.MLPPolicy` of kind ``resps`` (overrides
         ``config.policy``; training evaluates policies in memory this way).
     :param tokenizer: the target's tokenizer; needed by policies on the ``embedding`` state only.
+    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
     """
 
     name = "resps"
 
-    def __init__(self, config: ReSpSConfig | None = None, policy=None, tokenizer=None) -> None:
+    def __init__(self, config: ReSpSConfig | None = None, policy=None, tokenizer=None,
+                 chain_calibration=None) -> None:
         self.config = cfg = config or ReSpSConfig()
         self.policy = (policy if policy is not None else load_policy(cfg.policy)).eval()
         pc = self.policy.config
@@ -291,6 +322,7 @@ class ReSpSController(Controller):
             raise ValueError(f"--resps-state {cfg.state} does not match the policy, which was trained on the "
                              f"{self.state.state!r} state")
         self.observe = self.state.observer(tokenizer)
+        self.chain_rule = ChainRule.of(cfg, chain_calibration, self.state.use_match, self.name)
         if cfg.temperature is not None:
             self.temperature = float(cfg.temperature)
         else:
@@ -313,6 +345,14 @@ class ReSpSController(Controller):
     def use_latency(self, latency) -> None:
         if self.gate is not None:
             self.gate.latency = latency
+        if self.chain_rule is not None:
+            self.chain_rule.latency = latency
+
+    def context_index(self):
+        return self.chain_rule.index() if self.chain_rule is not None else None
+
+    def choose_chain(self, tree, plan: TreePlan, size: int) -> int:
+        return self.chain_rule.choose(tree, plan, size)
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
@@ -328,14 +368,18 @@ class ReSpSController(Controller):
         """(cycle, action index) of every decision of the current generation."""
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        rule = self.chain_rule
+        chain = rule.begin(ctx) if rule is not None else ()
         gate = self.gate
         if gate is not None and gate.latency is not None and gate.ar_step(*self.smallest, ctx.context_len):
-            return AR_PLAN
+            return TreePlan(1, 0, 0, chain) if chain else AR_PLAN
         if self.left <= 0 or self.plan is None:
-            a = self.policy.act(self.observe(ctx), self.temperature, self.gen)
+            match = rule.features() if rule is not None and self.state.use_match else None
+            a = self.policy.act(self.observe(ctx, match), self.temperature, self.gen)
             self.plan = self.plans[a]
             self.left = self.config.interval
             self.decisions.append((ctx.cycle, a))
             self.counts[a] += 1
         self.left -= 1
-        return self.plan
+        p = self.plan
+        return TreePlan(p.width, p.max_depth, p.size, chain) if chain else p

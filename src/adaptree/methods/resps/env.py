@@ -20,13 +20,14 @@ from adaptree.offline.envs import CycleEnv
 class PlanEnv(CycleEnv):
     """Re-SpS's decisions: a tree configuration ``plans[action]`` = (W, depth, V) kept for ``interval`` cycles.
 
-    :param observe_features: maps the cycle's target features ``[3H]`` to the observation vector.
+    :param observe_features: ``ctx -> observation`` (:meth:`~adaptree.methods.resps.controller.ReSpSState.observer`);
+        with a chain rule (``chain=``), ``(ctx, match) -> observation``, ``match`` its match features.
     """
 
     decision = "plan"
 
     def __init__(self, source, plans: Sequence[tuple[int, int, int]], obs_dim: int,
-                 observe_features: Callable[[CycleContext], np.ndarray], interval: int = 10,
+                 observe_features: Callable[..., np.ndarray], interval: int = 10,
                  reward: str = "cycle_throughput", inner: Controller | None = None, **kwargs) -> None:
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
@@ -39,7 +40,8 @@ class PlanEnv(CycleEnv):
                          obs_dim, len(self.plans), reward=reward, **kwargs)
 
     def observe(self, ctx: CycleContext) -> np.ndarray:
-        return np.asarray(self._observe(ctx), dtype=np.float32)
+        x = self._observe(ctx) if self.chain is None else self._observe(ctx, self.chain.features())
+        return np.asarray(x, dtype=np.float32)
 
     def plan_of(self, action: int) -> TreePlan:
         return self.plans[action]

@@ -60,6 +60,7 @@ from adaptree.methods.resps.controller import (
     action_widths,
     resps_actions,
 )
+from adaptree.methods.hybrid.chain import ChainRule
 from adaptree.methods.resps.env import PlanEnv
 from adaptree.offline import runs
 from adaptree.offline.envs import REWARDS, SimSource
@@ -133,6 +134,11 @@ class ReSpSTrainConfig:
     """Actor hidden layers."""
     vf: tuple[int, ...] = (128, 128)
     """Critic hidden layers."""
+    match: bool = False
+    """The policy observes the decision cycle's context match and every cycle carries the context's chain (issue
+    19; the chain calibration is fitted on the training prompts' traces)."""
+    chain_tokens: int = 16
+    """With ``match``: the longest context chain per cycle."""
     inference_temperature: float | None = None
     """Temperature of the action at validation and inference; None = 0 (argmax) or 1.5 (max_entropy)."""
     val_fraction: float = 0.25
@@ -176,6 +182,8 @@ class ReSpSTrainConfig:
         if self.ent_coef < 0 or self.inference_temperature < 0:
             raise ValueError(f"ent_coef and inference_temperature must be >= 0, got {self.ent_coef}, "
                              f"{self.inference_temperature}")
+        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 1:
+            raise ValueError(f"chain_tokens must be a positive integer, got {self.chain_tokens!r}")
         if self.clip_range <= 0 or self.lr <= 0:
             raise ValueError(f"clip_range and lr must be > 0, got {self.clip_range}, {self.lr}")
 
@@ -194,19 +202,23 @@ class ReSpSTrainConfig:
             from adaptree.models.sentence import shared_encoder
 
             dim = shared_encoder(self.encoder).dim
-            return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim)
-        return ReSpSState(hidden, self.state, self.normalize)
+            return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim,
+                              use_match=self.match)
+        return ReSpSState(hidden, self.state, self.normalize, use_match=self.match)
 
     def policy_config(self, hidden: int) -> MLPPolicyConfig:
         spec = self.state_spec(hidden)
         return MLPPolicyConfig("resps", spec.dim, [list(a) for a in self.actions()], list(self.pi), "tanh",
                                spec.to_dict())
 
-    def controller(self, policy: MLPPolicy, interval: int | None = None, tokenizer=None) -> ReSpSController:
-        """The inference controller of ``policy`` (validation interval and temperature, fixed seed)."""
+    def controller(self, policy: MLPPolicy, interval: int | None = None, tokenizer=None,
+                   chain_calibration=None) -> ReSpSController:
+        """The inference controller of ``policy`` (validation interval and temperature, fixed seed; with ``match``,
+        the run's context chain from ``chain_calibration``)."""
+        chain = dict(chain_tokens=self.chain_tokens) if self.match else {}
         return ReSpSController(ReSpSConfig(ar_fallback=False, interval=interval or self.val_interval,
-                                           temperature=self.inference_temperature, seed=self.seed), policy=policy,
-                               tokenizer=tokenizer)
+                                           temperature=self.inference_temperature, seed=self.seed, **chain),
+                               policy=policy, tokenizer=tokenizer, chain_calibration=chain_calibration)
 
 
 def config_from_dict(d: dict) -> ReSpSTrainConfig:
@@ -342,7 +354,7 @@ LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "ap
 
 
 def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress: bool = True,
-                facts: dict | None = None, tokenizer=None) -> TrainingResult:
+                facts: dict | None = None, tokenizer=None, chain_calibration=None) -> TrainingResult:
     """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
 
     :param source: a :class:`~adaptree.rl.envs.SimSource` (training traces + latency model) or a
@@ -351,6 +363,8 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     :param hidden: the target's hidden size H (the features hold 3H values).
     :param facts: extra facts recorded in the run's settings and the exported policy (e.g. model digests).
     :param tokenizer: the target's tokenizer (the embedding state decodes the context with it).
+    :param chain_calibration: with ``cfg.match``: the :class:`~adaptree.methods.hybrid.ChainCalibration` of the
+        training prompts (saved as ``OUT/chain.json``).
     :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
         the time budget ran out first (rerun to continue).
     """
@@ -365,6 +379,11 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     settings = _settings(cfg, {"hidden": hidden, "source": "live" if live else "simulator",
                                "validation": type(validator).__name__, "val_prompts": validator.keys, **facts})
     pin_settings(out, settings, "a Re-SpS run")
+    if cfg.match:
+        if chain_calibration is None:
+            raise ValueError("a Re-SpS run with match needs the chain calibration of its training prompts "
+                             "(ChainCalibration.fit(traces))")
+        chain_calibration.save(out / "chain.json")
 
     spec = cfg.state_spec(hidden)
     pcfg = cfg.policy_config(hidden)
@@ -386,11 +405,15 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
 
         observer = spec.observer(tokenizer)
 
-        def observe(ctx):
-            return observer(ctx).numpy()
+        def observe(ctx, match=None):
+            return observer(ctx, match).numpy()
+
+        def chain_rule():  # one per environment: it has state
+            return ChainRule(chain_calibration, cfg.chain_tokens) if cfg.match else None
 
         venv = DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
-                                                reward=cfg.reward, seed=seed0 + i) for i in range(n_envs)])
+                                                reward=cfg.reward, seed=seed0 + i, chain=chain_rule())
+                            for i in range(n_envs)])
         model = PPO("MlpPolicy", venv, learning_rate=cfg.lr, n_steps=cfg.n_steps, batch_size=cfg.batch_size,
                     n_epochs=cfg.n_epochs, clip_range=cfg.clip_range, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
                     ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef,
@@ -414,7 +437,7 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
         def validate() -> dict:
             nonlocal best
             policy = MLPPolicy.from_sb3(model.policy, pcfg)
-            ev = validator(cfg.controller(policy, tokenizer=tokenizer))
+            ev = validator(cfg.controller(policy, tokenizer=tokenizer, chain_calibration=chain_calibration))
             if best is None or ev[validator.metric] >= best[validator.metric]:  # ties: the later, more trained one
                 best = {**ev, "timesteps": int(state["timesteps"])}
                 policy.save(best_dir, training={"timesteps": int(state["timesteps"]),
@@ -511,7 +534,8 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
         **facts})
     intervals = {}
     for n in sorted(set(ABLATION_INTERVALS) | {cfg.val_interval, cfg.interval}):
-        intervals[f"resps N={n}"] = validator(cfg.controller(policy, interval=n, tokenizer=tokenizer),
+        intervals[f"resps N={n}"] = validator(cfg.controller(policy, interval=n, tokenizer=tokenizer,
+                                                             chain_calibration=chain_calibration),
                                               measure_policy=True)
     summary = {"settings": settings, "val_metric": validator.metric, "val_prompts": validator.keys,
                "training": result, "resps": intervals, "baselines": validator.baselines(cfg),

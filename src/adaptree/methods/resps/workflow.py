@@ -46,8 +46,8 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
     keyed = {f"{p.dataset}/{p.id}": p for p in prompts.prompts()}
     train_keys, val_keys = split_prompts(list(keyed), cfg.val_fraction, cfg.seed)
     traces = {}
-    if sim_train or sim_val:  # live training with simulator validation needs the held-out prompts' traces only
-        need = list(keyed) if sim_train else val_keys
+    if sim_train or sim_val or cfg.match:  # live training, sim validation: the held-out prompts' traces only
+        need = list(keyed) if sim_train or cfg.match else val_keys
         folder = prompts.trace_folder(cfg.out)
         for t in training_traces(pipeline, folder, [keyed[k] for k in need], prompts.max_new_tokens,
                                  cfg.trace_widths(), cfg.trace_depth(), feature_dtype=feature_dtype, progress=progress):
@@ -77,6 +77,11 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
     facts = {"model": pipeline.model_label, "dtype": pipeline.dtype_name,
              "max_new_tokens": prompts.max_new_tokens, "model_sha256": model_fingerprint(target),
              "head_sha256": head_fingerprint(head), "train_prompts": train_keys}
+    chain_cal = None
+    if cfg.match:  # the chain rates of the training prompts (the context chains' acceptance)
+        from adaptree.methods.hybrid import ChainCalibration
+
+        chain_cal = ChainCalibration.fit([traces[k] for k in train_keys])
     summary = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=progress, facts=facts,
-                          tokenizer=pipeline.tokenizer)
+                          tokenizer=pipeline.tokenizer, chain_calibration=chain_cal)
     return summary, train_keys, val_keys
