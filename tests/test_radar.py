@@ -454,6 +454,40 @@ def test_radar_replays_live_on_traces():
     assert_mostly_exact(checks)
 
 
+def test_radar_with_a_context_chain_is_lossless_and_replays_live():
+    """chain_tokens (issue 19): the context's chain next to RADAR's tree; fp32 greedy = AR, replay = live."""
+    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.offline.latency import LatencyModel
+    from adaptree.offline.traces import TraceSettings, record_trace
+
+    target = tiny_target()
+    head = tiny_head(target, draft_vocab=12)
+    settings = TraceSettings(widths=(4,), max_depth=6, max_new_tokens=36, feature_dtype="none")
+    eng = Engine(target, head)
+    prompts = PROMPTS[:2] + [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5]]
+    traces = [record_trace(target, head, p, settings=settings, key=f"p{i}") for i, p in enumerate(prompts)]
+    cal = ChainCalibration.fit(traces)
+    lat = LatencyModel(draft=[0.004, 0.0001, 1e-6, 0.0], verify=[0.03, 0.001, 2e-5, 1e-7], other_s=0.001)
+    with pytest.raises(ValueError, match="--radar-chain PATH"):
+        RadarController(RadarConfig(width=4, size=20, chain_tokens=8), policy=biased_policy(4, 6, 1))
+
+    def make():
+        ctl = RadarController(RadarConfig(width=4, size=20, chain_tokens=8), policy=biased_policy(4, 6, 1),
+                              chain_calibration=cal)
+        ctl.use_latency(lat)
+        return ctl
+
+    checks, chained = [], 0
+    for prompt, tr in zip(prompts, traces):
+        ar = eng.generate(prompt, None, max_new_tokens=20)
+        check = replay_against_live(eng, make(), make(), prompt, tr, 20)
+        assert check.live.token_ids == ar.token_ids
+        checks.append(check)
+        chained += sum(c.chain_accepted for c in check.live.cycles)
+    assert_mostly_exact(checks)
+    assert chained > 0
+
+
 # ------------------------------------------------------------------ machine costs (issue 16)
 
 

@@ -143,7 +143,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ddd", DDDConfig, DDDController),
     Method("svip", SVIPConfig, SVIPController),
     Method("gammatune", GammatuneConfig, GammatuneController),
-    Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,), machine_options=("latency",)),
+    Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,), machine_options=("latency", "chain")),
     Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
            machine_options=("latency", "depth_policy", "size_policy", "chain")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],

@@ -7,6 +7,10 @@ P(STOP) >= ``threshold`` (0.5 = argmax of the two logits); ``stochastic=True`` s
 paper's released code does (a seeded generator of its own: the sampled tokens stay lossless either
 way, only the tree shape is random). The LSTM state is reset at every cycle.
 
+``chain_tokens`` (issue 19) verifies the context's chain next to RADAR's tree every cycle, its length chosen by
+:class:`~adaptree.methods.hybrid.chain.ChainRule`; the policy itself does not observe the match (its offline dataset
+records head trees only).
+
 The policy is a folder (``config.json`` + ``model.safetensors``, :class:`~adaptree.rl.radar.RadarPolicy`)
 given by ``policy``; None = the policy shipped next to the default model's head
 (``heads/smollm2-135m/radar/``), an error naming the flag when none is shipped.
@@ -23,6 +27,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep
 from adaptree.methods.ar_gate import ARGate
+from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
 
 @dataclass
 class RadarConfig(TreeShape):
@@ -50,11 +55,17 @@ class RadarConfig(TreeShape):
     probe_every: int = 8
     """In AR mode, AR steps before a probe, counted in units of the cost of RADAR's smallest tree (the interval
     doubles while probes fail, up to 8x)."""
+    chain: str | None = None
+    """Chain calibration JSON of this model (the machine setup's chain.json), for chain_tokens."""
+    chain_tokens: int | None = None
+    """Longest context chain verified per cycle next to RADAR's tree (adaptree.methods.hybrid.ChainRule; issue 19).
+    Default: none (0)."""
 
     unset_depth: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_chain_tokens(self.chain_tokens)
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
@@ -65,11 +76,12 @@ class RadarController(Controller):
     """EAGLE-3's tree with RADAR's learned continue/stop decisions.
 
     :param policy: a loaded :class:`~adaptree.rl.radar.RadarPolicy` (overrides ``config.policy``).
+    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
     """
 
     name = "radar"
 
-    def __init__(self, config: RadarConfig | None = None, policy=None) -> None:
+    def __init__(self, config: RadarConfig | None = None, policy=None, chain_calibration=None) -> None:
         from adaptree.methods.radar.policy import RadarPolicy
 
         self.config = cfg = config or RadarConfig()
@@ -89,6 +101,7 @@ class RadarController(Controller):
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
         self.gate = ARGate.of(cfg)
+        self.chain_rule = ChainRule.of(cfg, chain_calibration, False, self.name)
         self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
         if cfg.latency:
             from adaptree.offline.latency import load_checked
@@ -102,6 +115,14 @@ class RadarController(Controller):
             self.costs = self.policy.costs_tensor(cost_features(latency, self.config.width))
         if self.gate is not None:
             self.gate.latency = latency
+        if self.chain_rule is not None:
+            self.chain_rule.latency = latency
+
+    def context_index(self):
+        return self.chain_rule.index() if self.chain_rule is not None else None
+
+    def choose_chain(self, tree, plan: TreePlan, size: int) -> int:
+        return self.chain_rule.choose(tree, plan, size)
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
@@ -112,10 +133,11 @@ class RadarController(Controller):
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.hc = None  # the LSTM state lives for one cycle
         plan, gate = self.plan, self.gate
+        chain = self.chain_rule.begin(ctx) if self.chain_rule is not None else ()
         if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
                                                                           ctx.context_len):
-            return AR_PLAN
-        return self.plan
+            plan = AR_PLAN
+        return TreePlan(plan.width, plan.max_depth, plan.size, chain) if chain else plan
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
