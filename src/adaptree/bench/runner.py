@@ -60,7 +60,8 @@ class BenchConfig:
     hf_assisted) and llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python). Must include
     ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
-    """Benchmarks: mt_bench, humaneval, sharegpt."""
+    """Benchmarks: mt_bench, humaneval, sharegpt, sharegpt_long (long pasted texts), code_edit (edits of HumanEval
+    solutions)."""
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
     limit: int = 3

@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
 import torch
 
 from adaptree.core.context import ContextIndex, ContextMatch
@@ -198,6 +197,14 @@ length over 16 (capped at 1); all 0 without a match."""
 MATCH_LENGTH_SCALE = 16
 
 
+def match_values(match, policy: str) -> list[float]:
+    """``match`` (a policy's match features, :data:`MATCH_FEATURES`) as floats; a ValueError when they are missing."""
+    if match is None or len(match) != len(MATCH_FEATURES):
+        raise ValueError(f"this {policy} policy observes the context match (use_match): it needs the "
+                         f"{len(MATCH_FEATURES)} match features {MATCH_FEATURES}, got {match!r}")
+    return [float(x) for x in match]
+
+
 def check_chain_tokens(value) -> None:
     """A learned method's ``chain_tokens`` setting: None (the default rule of :meth:`ChainRule.of`) or an integer
     >= 0."""
@@ -286,4 +293,5 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "shared_ranks"]
+__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "match_values",
+           "shared_ranks"]

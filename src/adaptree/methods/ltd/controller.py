@@ -45,7 +45,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, check_chain_tokens, match_values
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -104,7 +104,6 @@ class LTDObservation:
         return self.width + (self.max_depth - 1) * self.width * self.width
 
     def _extras(self) -> int:
-        from adaptree.methods.hybrid.chain import MATCH_FEATURES
         from adaptree.offline.family import COST_FEATURES
 
         return (int(self.use_depth) + int(self.use_length) + (len(COST_FEATURES) if self.use_costs else 0)
@@ -146,12 +145,7 @@ class LTDObservation:
 
             extras += list(costs_or_reference(costs, self.reference_costs, "ltd"))
         if self.use_match:
-            from adaptree.methods.hybrid.chain import MATCH_FEATURES
-
-            if match is None or len(match) != len(MATCH_FEATURES):
-                raise ValueError(f"this LTD policy observes the context match (use_match): it needs the "
-                                 f"{len(MATCH_FEATURES)} match features {MATCH_FEATURES}, got {match!r}")
-            extras += [float(x) for x in match]
+            extras += match_values(match, "LTD")
         return head, torch.tensor(extras, dtype=torch.float32)
 
     def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int,

@@ -56,7 +56,7 @@ from adaptree.core.controller import (
 )
 from adaptree.core.records import CycleRecord
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, check_chain_tokens, match_values
 
 RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
 """TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
@@ -167,8 +167,6 @@ class ReSpSState:
 
     @property
     def dim(self) -> int:
-        from adaptree.methods.hybrid.chain import MATCH_FEATURES
-
         extra = len(MATCH_FEATURES) if self.use_match else 0
         if self.state == "embedding":
             return self.encoder_dim + extra
@@ -177,12 +175,7 @@ class ReSpSState:
     def _with_match(self, x: torch.Tensor, match: list[float] | None) -> torch.Tensor:
         if not self.use_match:
             return x
-        from adaptree.methods.hybrid.chain import MATCH_FEATURES
-
-        if match is None or len(match) != len(MATCH_FEATURES):
-            raise ValueError(f"this Re-SpS policy observes the context match (use_match): it needs the "
-                             f"{len(MATCH_FEATURES)} match features {MATCH_FEATURES}, got {match!r}")
-        return torch.cat([x, torch.tensor([float(m) for m in match], dtype=torch.float32)])
+        return torch.cat([x, torch.tensor(match_values(match, "Re-SpS"), dtype=torch.float32)])
 
     def to_dict(self) -> dict:
         return asdict(self)
