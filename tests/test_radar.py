@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 from ties import assert_mostly_exact, replay_against_live
 
 from adaptree.core.engine import Engine
+from adaptree.core.controller import TreePlan
 from adaptree.core.tree import DraftTree
 from adaptree.core.verify import SamplingConfig, verify_sample
 from adaptree.methods import make_controller
@@ -486,6 +487,99 @@ def test_radar_with_a_context_chain_is_lossless_and_replays_live():
         chained += sum(c.chain_accepted for c in check.live.cycles)
     assert_mostly_exact(checks)
     assert chained > 0
+
+
+def test_dataset_with_context_chains_holds_the_trees_the_engine_verifies(tiny_pair, tmp_path):
+    """``chain_tokens``: every stop point's tree carries the chain; greedy, the full-depth point mass is the
+    engine's acceptance of the static tree plus the chain, and the recorder's trajectory is that static run's."""
+    from adaptree.methods import StaticConfig, StaticController
+    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.radar.train import match_features
+    from adaptree.offline.traces import TraceSettings, record_trace
+
+    target, head = tiny_pair
+    eng = Engine(target, head)
+    s = RadarDataSettings(width=3, max_depth=4, size=10, max_new_tokens=30, temperature=0.0, chain_tokens=6)
+    samp = s.sampling("k")
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], *PROMPTS[:2]]
+
+    class StaticWithChain(StaticController):  # the trajectory: the static tree and the whole chain
+        def __init__(self, k):
+            super().__init__(StaticConfig(3, 4, 10))
+            self.k = k
+
+        def context_index(self):
+            from adaptree.core.context import ContextIndex
+
+            return ContextIndex(max_ngram=4)
+
+        def begin_cycle(self, ctx):
+            m = ctx.index.match(self.k, 1)
+            return TreePlan(3, 4, 10, m.tokens) if m else self.plan
+
+    matched = 0
+    for prompt in prompts:
+        rec = RadarRecorder(eng, s, samp)
+        a = eng.generate(prompt, rec, 30, samp)
+        b = eng.generate(prompt, StaticWithChain(6), 30, samp)
+        assert a.token_ids == b.token_ids == eng.generate(prompt, None, max_new_tokens=30).token_ids
+        assert [c.accepted for c in a.cycles] == [c.accepted for c in b.cycles]
+        for c, cyc in zip(rec.cycles, a.cycles):
+            assert c.dist[3, c.accepted] == 1.0  # the engine verified exactly the full-depth tree and the chain
+            assert (c.match_length > 0) == (cyc.chain > 0)
+            assert np.all(c.sizes >= np.array([3, 10, 10, 10])) and np.all(c.sizes <= np.array([3, 10, 10, 10]) + 6)
+            matched += c.match_length > 0
+    assert matched > 0
+    # on disk, and the match features a policy reads from it
+    store = RadarStore(tmp_path / "d", {"model": "m", "head": "h"}, s)
+    store.record(eng, [(f"p{i}", p) for i, p in enumerate(prompts)], progress=False)
+    recs = store.load_all()
+    assert sum(int((r.match_length > 0).sum()) for r in recs) > 0
+    traces = [record_trace(target, head, p, settings=TraceSettings(widths=(3,), max_depth=4, max_new_tokens=30),
+                           key=f"p{i}") for i, p in enumerate(prompts)]
+    feats = match_features(recs, ChainCalibration.fit(traces))
+    lengths = np.concatenate([r.match_length for r in recs])
+    assert feats.shape == (lengths.size, 3) and bool((feats[lengths == 0] == 0).all())
+    assert bool((feats[lengths > 0, 2] > 0).all())
+    with pytest.raises(ValueError, match="chain_tokens must be an integer >= 0"):
+        RadarDataSettings(chain_tokens=-1)
+
+
+def test_radar_trained_on_the_match_is_lossless(tiny_pair, tmp_path):
+    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.offline.traces import TraceSettings, record_trace
+
+    target, head = tiny_pair
+    eng = Engine(target, head)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], *PROMPTS]
+    s = RadarDataSettings(width=3, max_depth=4, size=10, max_new_tokens=24, temperature=1.0, chain_tokens=6)
+    RadarStore(tmp_path / "d", {"model": "m", "head": "h"}, s).record(
+        eng, [(f"p{i}", p) for i, p in enumerate(prompts)], progress=False)
+    traces = [record_trace(target, head, p, settings=TraceSettings(widths=(3,), max_depth=4, max_new_tokens=24),
+                           key=f"p{i}") for i, p in enumerate(prompts)]
+    ChainCalibration.fit(traces).save(tmp_path / "chain.json")
+    base = dict(data=str(tmp_path / "d"), alphas=(0.0,), t_fixed=1.0, t_draft=0.1, steps=10, batch_size=16, hidden=8,
+                eval_every=5, checkpoint_every=5, val_fraction=0.3)
+    with pytest.raises(ValueError, match="chain calibration"):
+        RadarTrainConfig(out=str(tmp_path / "a"), match=True, **base)
+    train_radar(RadarTrainConfig(out=str(tmp_path / "a"), match=True, chain=str(tmp_path / "chain.json"), **base),
+                progress=False)
+    pol = RadarPolicy.load(tmp_path / "a" / "policy")
+    assert pol.config.match_features
+    with pytest.raises(ValueError, match="--radar-chain PATH"):
+        RadarController(RadarConfig(width=3, size=10), policy=pol)
+    ctl = make_controller("radar", policy=str(tmp_path / "a" / "policy"), width=3, size=10,
+                          chain=str(tmp_path / "chain.json"))
+    assert ctl.chain_rule.tokens == 16
+    for prompt in prompts[:3]:
+        assert eng.generate(prompt, ctl, max_new_tokens=24).token_ids == eng.generate(prompt, None,
+                                                                                     max_new_tokens=24).token_ids
+    plain = RadarStore(tmp_path / "e", {"model": "m", "head": "h"}, RadarDataSettings(width=3, max_depth=4, size=10,
+                                                                                      max_new_tokens=8))
+    plain.record(eng, [("p0", prompts[0])], progress=False)
+    with pytest.raises(ValueError, match="recorded without context chains"):
+        train_radar(RadarTrainConfig(out=str(tmp_path / "b"), match=True, chain=str(tmp_path / "chain.json"),
+                                     **{**base, "data": str(tmp_path / "e")}), progress=False)
 
 
 # ------------------------------------------------------------------ machine costs (issue 16)

@@ -8,8 +8,9 @@ paper's released code does (a seeded generator of its own: the sampled tokens st
 way, only the tree shape is random). The LSTM state is reset at every cycle.
 
 ``chain_tokens`` (issue 19) verifies the context's chain next to RADAR's tree every cycle, its length chosen by
-:class:`~adaptree.methods.hybrid.chain.ChainRule`; the policy itself does not observe the match (its offline dataset
-records head trees only).
+:class:`~adaptree.methods.hybrid.chain.ChainRule`; a policy trained on a dataset with chains
+(``adaptree radar dataset --chain-tokens K``, ``adaptree radar train --match``) also observes the match (its features
+enter the MLP's state input) and then needs a chain calibration (``chain``).
 
 The policy is a folder (``config.json`` + ``model.safetensors``, :class:`~adaptree.rl.radar.RadarPolicy`)
 given by ``policy``; None = the policy shipped next to the default model's head
@@ -56,10 +57,11 @@ class RadarConfig(TreeShape):
     """In AR mode, AR steps before a probe, counted in units of the cost of RADAR's smallest tree (the interval
     doubles while probes fail, up to 8x)."""
     chain: str | None = None
-    """Chain calibration JSON of this model (the machine setup's chain.json), for chain_tokens."""
+    """Chain calibration JSON of this model (the machine setup's chain.json): for a policy that observes the context
+    match, and for chain_tokens."""
     chain_tokens: int | None = None
     """Longest context chain verified per cycle next to RADAR's tree (adaptree.methods.hybrid.ChainRule; issue 19).
-    Default: none (0)."""
+    Default: 16 with a policy that observes the context match, else none (0)."""
 
     unset_depth: ClassVar[int] = 1
 
@@ -101,7 +103,8 @@ class RadarController(Controller):
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
         self.gate = ARGate.of(cfg)
-        self.chain_rule = ChainRule.of(cfg, chain_calibration, False, self.name)
+        self.chain_rule = ChainRule.of(cfg, chain_calibration, pc.match_features, self.name)
+        self.match: list[float] | None = None
         self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
         if cfg.latency:
             from adaptree.offline.latency import load_checked
@@ -133,7 +136,10 @@ class RadarController(Controller):
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.hc = None  # the LSTM state lives for one cycle
         plan, gate = self.plan, self.gate
-        chain = self.chain_rule.begin(ctx) if self.chain_rule is not None else ()
+        chain = ()
+        if self.chain_rule is not None:
+            chain = self.chain_rule.begin(ctx)
+            self.match = self.chain_rule.features()
         if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
                                                                           ctx.context_len):
             plan = AR_PLAN
@@ -145,7 +151,7 @@ class RadarController(Controller):
 
     @torch.inference_mode()
     def continue_drafting(self, step: DraftStep) -> bool:
-        logits, self.hc = self.policy.step(step.beam_scores.float().cpu(), step.depth, self.hc, self.costs)
+        logits, self.hc = self.policy.step(step.beam_scores.float().cpu(), step.depth, self.hc, self.costs, self.match)
         p_stop = float(torch.softmax(logits.float(), -1)[0])
         self.last_p_stop = p_stop
         if self.config.stochastic:

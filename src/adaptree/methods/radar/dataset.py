@@ -37,10 +37,20 @@ The recorder is a controller (:class:`RadarRecorder`): it always continues to ``
 work in ``choose_size``, so the engine loop is reused as is. On disk (:class:`RadarStore`, a
 :class:`~adaptree.offline.store.FingerprintedStore`): a folder with ``manifest.json`` (fingerprints +
 settings) and one safetensors file per prompt (no pickles) with
-``scores`` float32 [C, D, W] (beam scores after each draft forward), ``dist`` float32 [C, D, D + 1]
+``scores`` float32 [C, D, W] (beam scores after each draft forward), ``dist`` float32 [C, D, A + 1] (A: the most
+tokens a cycle can accept, D without chains)
 (row k: P(accepted = j) at stop point k), ``sizes`` int32 [C, D] (V of each stop point's tree),
 ``context_len`` int32 [C], ``accepted`` int32 [C] (the trajectory's sampled acceptance), ``union`` int32
-[C] (nodes of the union forward), and a JSON header (key, prompt, stop reason, settings, fingerprints).
+[C] (nodes of the union forward), ``match_length`` int32 [C] (see below), and a JSON header (key, prompt, stop
+reason, settings, fingerprints).
+
+Context chains (issue 19). With ``chain_tokens`` K > 0 every cycle also carries the context's chain
+(:class:`~adaptree.core.context.ContextIndex` over the prompt and the output, n-grams of up to ``max_ngram``; the
+longest earlier match's K-token continuation), as the engine verifies it next to a tree: every stop point's tree
+is then that tree plus the chain's path (the prefix the tree holds shared; still a sub-tree of the one union, so
+the one forward still serves all), ``dist`` and ``sizes`` are those of the trees with the chain, and
+``match_length`` is the match's length (0: no match, no chain). A policy that observes the match reads its
+features from the length through a chain calibration (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`).
 """
 
 from __future__ import annotations
@@ -53,8 +63,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adaptree.core.context import ContextIndex
 from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
-from adaptree.core.tree import DraftStep, DraftTree, VerifyTree
+from adaptree.core.tree import DraftStep, DraftTree, VerifyTree, add_chain
 from adaptree.core.verify import SamplingConfig, greedy_tokens, warp_probs
 from adaptree.offline.store import (
     FingerprintedStore,
@@ -114,6 +125,22 @@ def union_of(tree: DraftTree, selections: Sequence[torch.Tensor]) -> tuple[Verif
     return union, [torch.cat([zero, pos[s]]) for s in selections]
 
 
+def chain_path(tree: VerifyTree, chain: Sequence[int]) -> torch.Tensor:
+    """The nodes of ``tree`` on ``chain``'s path from the root (ascending, the root first), followed as
+    :func:`~adaptree.core.tree.add_chain` walks it (the first child with a token), for a tree that holds the chain."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    child: dict[tuple[int, int], int] = {}
+    for node in range(len(tokens) - 1, 0, -1):
+        child[(parents[node], tokens[node])] = node
+    path = [0]
+    for t in chain:
+        nxt = child.get((path[-1], int(t)))
+        if nxt is None:
+            raise ValueError(f"the tree does not hold the chain (token {int(t)} after node {path[-1]})")
+        path.append(nxt)
+    return torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
+
+
 def sub_tree(tree: VerifyTree, nodes: torch.Tensor) -> VerifyTree:
     """The :class:`VerifyTree` of ``nodes`` (ascending, root first, ancestor-closed) of ``tree``."""
     remap = torch.full((tree.tokens.numel(),), -1, dtype=torch.long, device=nodes.device)
@@ -152,14 +179,28 @@ class RadarDataSettings(StoreSettings):
     eos_token_ids: tuple[int, ...] = ()
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
+    chain_tokens: int = 0
+    """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree (issue 19);
+    0: head trees only."""
+    max_ngram: int = 4
+    """With chain_tokens: the longest n-gram the context index matches (a chain calibration's max_ngram)."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, self.size, "max_depth")
+        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 0:
+            raise ValueError(f"chain_tokens must be an integer >= 0, got {self.chain_tokens!r}")
+        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or self.max_ngram < 1:
+            raise ValueError(f"max_ngram must be a positive integer, got {self.max_ngram!r}")
         SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
         object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
+
+    @property
+    def longest_accept(self) -> int:
+        """The most draft tokens a cycle can accept: ``dist``'s last index (D_max, or the chain's length if longer)."""
+        return max(self.max_depth, self.chain_tokens)
 
     def sampling(self, key: str) -> SamplingConfig:
         digest = hashlib.sha256(f"radar\0{self.seed}\0{key}".encode()).digest()
@@ -183,6 +224,7 @@ class CycleData:
     sizes: np.ndarray  # [D]
     context_len: int
     union: int
+    match_length: int = 0
     accepted: int = -1
 
 
@@ -206,10 +248,19 @@ class RadarRecorder(Controller):
     def reset(self) -> None:
         self.cycles, self._scores, self.skipped = [], [], 0
 
+    def context_index(self) -> ContextIndex | None:
+        return ContextIndex(max_ngram=self.settings.max_ngram) if self.settings.chain_tokens else None
+
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self._scores = []
         self._pending: CycleData | None = None
-        return self.plan
+        self.match = ctx.index.match(self.settings.chain_tokens, 1) if ctx.index is not None else None
+        if self.match is None:
+            return self.plan
+        return TreePlan(self.plan.width, self.plan.max_depth, self.plan.size, self.match.tokens)
+
+    def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
+        return len(plan.chain)  # the whole chain, as the dataset's trees hold it
 
     def continue_drafting(self, step: DraftStep) -> bool:
         self._scores.append(step.beam_scores.float().cpu())  # [W]: the beam always has W nodes
@@ -227,6 +278,10 @@ class RadarRecorder(Controller):
         L = cache.length
         sels = [tree.top_candidates(st.size, levels=k + 1) for k in range(d)]
         union, nodes = union_of(tree, sels)
+        if plan.chain:  # every stop point's tree with the chain's path (module docstring)
+            union, _ = add_chain(union, plan.chain)
+            path = chain_path(union, plan.chain)
+            nodes = [torch.unique(torch.cat([nd, path])) for nd in nodes]
         if L + union.tokens.numel() > cache.max_len:  # no room for the union near the context limit
             self.skipped += 1
             return plan.size
@@ -234,11 +289,13 @@ class RadarRecorder(Controller):
                                  tree_mask=union.mask, features=False)
         cache.truncate(L)
         a = child_accept_probs(union, out.logits[0], self.sampling)  # a node's a(c) is the same in any sub-tree
-        dist = np.zeros((d, d + 1), np.float64)
+        n = st.longest_accept
+        dist = np.zeros((d, n + 1), np.float64)
         for k, nd in enumerate(nodes):
-            dist[k] = distribution_from_accept(sub_tree(union, nd), a[nd], max_len=d).cpu().numpy()
+            dist[k] = distribution_from_accept(sub_tree(union, nd), a[nd], max_len=n).cpu().numpy()
         self._pending = CycleData(torch.stack(self._scores).numpy(), dist.astype(np.float32),
-                                  np.array([s.numel() for s in sels], np.int32), L, int(union.size))
+                                  np.array([nd.numel() - 1 for nd in nodes], np.int32), L, int(union.size),
+                                  self.match.length if plan.chain else 0)
         return plan.size
 
     def end_cycle(self, record) -> None:
@@ -259,11 +316,13 @@ def record_prompt(engine, prompt_ids: Sequence[int], settings: RadarDataSettings
         "prompt": np.asarray(list(prompt_ids), np.int32),
         "output": np.asarray(res.token_ids, np.int32),
         "scores": np.stack([x.scores for x in c]).astype(np.float32) if c else np.zeros((0, d, w), np.float32),
-        "dist": np.stack([x.dist for x in c]).astype(np.float32) if c else np.zeros((0, d, d + 1), np.float32),
+        "dist": (np.stack([x.dist for x in c]).astype(np.float32) if c
+                 else np.zeros((0, d, settings.longest_accept + 1), np.float32)),
         "sizes": np.stack([x.sizes for x in c]).astype(np.int32) if c else np.zeros((0, d), np.int32),
         "context_len": np.asarray([x.context_len for x in c], np.int32),
         "accepted": np.asarray([x.accepted for x in c], np.int32),
         "union": np.asarray([x.union for x in c], np.int32),
+        "match_length": np.asarray([x.match_length for x in c], np.int32),
     }
     header = {"key": key, "stop_reason": res.stop_reason, "cycles": len(c), "skipped_cycles": rec.skipped,
               "seed": sampling.seed, "new_tokens": res.new_tokens}
@@ -286,6 +345,12 @@ class RadarRecord:
     context_len: np.ndarray
     accepted: np.ndarray
     header: dict = field(default_factory=dict)
+    match_length: np.ndarray | None = None
+    """``[C]`` the cycle's context match length (0: none); zeros for a dataset recorded without chains."""
+
+    def __post_init__(self) -> None:
+        if self.match_length is None:
+            self.match_length = np.zeros(self.scores.shape[0], np.int32)
 
     @property
     def cycles(self) -> int:
@@ -294,7 +359,8 @@ class RadarRecord:
 
 def load_record(path: str | os.PathLike) -> RadarRecord:
     header, a = read_record(path, RADAR_FORMAT)
-    return RadarRecord(header["key"], a["scores"], a["dist"], a["sizes"], a["context_len"], a["accepted"], header)
+    return RadarRecord(header["key"], a["scores"], a["dist"], a["sizes"], a["context_len"], a["accepted"], header,
+                       a.get("match_length"))
 
 
 class RadarStore(FingerprintedStore):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, match_values
 from adaptree.offline.family import COST_FEATURES, check_costs, costs_or_reference
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import dataclass_from_dict
@@ -52,6 +53,9 @@ class RadarModelConfig:
     (issue 16)."""
     reference_costs: list[float] | None = None
     """The cost features assumed when no latency model is given (the training family's median)."""
+    match_features: bool = False
+    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19) to the
+    MLP's state input, after the costs."""
 
     def __post_init__(self) -> None:
         for name in ("width", "max_depth", "hidden", "layers", "mlp_hidden"):
@@ -69,6 +73,10 @@ class RadarModelConfig:
     def n_costs(self) -> int:
         return len(COST_FEATURES) if self.cost_features else 0
 
+    @property
+    def n_match(self) -> int:
+        return len(MATCH_FEATURES) if self.match_features else 0
+
     @classmethod
     def from_dict(cls, d: dict) -> "RadarModelConfig":
         config = dataclass_from_dict(cls, d, "RADAR model", allowed=("kind", "version"))
@@ -84,7 +92,7 @@ class RadarPolicy(nn.Module):
         super().__init__()
         self.config = c = config or RadarModelConfig()
         self.lstm = nn.LSTM(c.width, c.hidden, num_layers=c.layers, batch_first=True)
-        state = c.width + (1 if c.step_feature else 0) + c.n_costs
+        state = c.width + (1 if c.step_feature else 0) + c.n_costs + c.n_match
         self.mlp = nn.Sequential(nn.Linear(c.hidden + state, c.mlp_hidden), nn.ReLU(), nn.Dropout(c.dropout),
                                  nn.Linear(c.mlp_hidden, 2))
 
@@ -96,38 +104,55 @@ class RadarPolicy(nn.Module):
             return torch.zeros(0)
         return torch.as_tensor(costs_or_reference(costs, c.reference_costs, "radar"), dtype=torch.float32)
 
-    def _inputs(self, scores: torch.Tensor, steps: torch.Tensor, costs=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def match_tensor(self, match) -> torch.Tensor:
+        """The match features as a tensor (``[M]`` or ``[B, M]``); empty when the policy does not use them."""
+        if not self.config.match_features:
+            return torch.zeros(0)
+        if isinstance(match, torch.Tensor) and match.dim() == 2:
+            if match.shape[-1] != len(MATCH_FEATURES):
+                raise ValueError(f"match features [B, {len(MATCH_FEATURES)}] expected, got {list(match.shape)}")
+            return match.float()
+        return torch.tensor(match_values(None if match is None else list(match), "RADAR"), dtype=torch.float32)
+
+    def _inputs(self, scores: torch.Tensor, steps: torch.Tensor, costs=None,
+                match=None) -> tuple[torch.Tensor, torch.Tensor]:
         x = scores.float().clamp(min=self.config.score_floor)
         x = torch.nan_to_num(x, nan=self.config.score_floor)
         parts = [x]
         if self.config.step_feature:
             parts.append((steps.float() / self.config.max_depth)[..., None].expand(*x.shape[:-1], 1))
-        if self.config.cost_features:
-            k = self.costs_tensor(costs)
-            k = k[:, None, :] if k.dim() == 2 else k[None, None, :]
-            parts.append(k.expand(*x.shape[:-1], k.shape[-1]))
+        for on, k in ((self.config.cost_features, lambda: self.costs_tensor(costs)),
+                      (self.config.match_features, lambda: self.match_tensor(match))):
+            if on:
+                k = k()
+                k = k[:, None, :] if k.dim() == 2 else k[None, None, :]
+                parts.append(k.expand(*x.shape[:-1], k.shape[-1]))
         return x, torch.cat(parts, -1)
 
-    def forward(self, scores: torch.Tensor, costs=None) -> torch.Tensor:
-        """``scores [B, T, W]`` (steps 1..T of a cycle) and the cost features (``[C]``, ``[B, C]`` or None: the
-        reference ones) -> logits ``[B, T, 2]`` (LSTM from a zero state)."""
+    def forward(self, scores: torch.Tensor, costs=None, match=None) -> torch.Tensor:
+        """``scores [B, T, W]`` (steps 1..T of a cycle), the cost features (``[C]``, ``[B, C]`` or None: the
+        reference ones) and the match features (``[M]`` or ``[B, M]``, for a policy that uses them) -> logits
+        ``[B, T, 2]`` (LSTM from a zero state)."""
         b, t, _ = scores.shape
         steps = torch.arange(1, t + 1, device=scores.device).expand(b, t)
-        x, state = self._inputs(scores, steps, costs)
+        x, state = self._inputs(scores, steps, costs, match)
         out, _ = self.lstm(x)
         return self.mlp(torch.cat([out, state], dim=-1))
 
     def step(self, scores: torch.Tensor, step: int, hc: tuple[torch.Tensor, torch.Tensor] | None = None,
-             costs: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+             costs: torch.Tensor | None = None,
+             match=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One decision: ``scores [W]`` at draft step ``step`` (1-based), the LSTM state (None at the start of a
-        cycle) and the cost features (:meth:`costs_tensor`) -> logits ``[2]`` and the new state. Same numbers as
-        :meth:`forward` (one LSTM cell by hand for a one-layer model: ~4x less call overhead than ``nn.LSTM`` on
-        one position)."""
+        cycle), the cost features (:meth:`costs_tensor`) and the match features -> logits ``[2]`` and the new state.
+        Same numbers as :meth:`forward` (one LSTM cell by hand for a one-layer model: ~4x less call overhead than
+        ``nn.LSTM`` on one position)."""
         c = self.config
         x = torch.nan_to_num(scores.float(), nan=c.score_floor).clamp(min=c.score_floor)
         state = torch.cat([x, x.new_tensor([step / c.max_depth])]) if c.step_feature else x
         if c.cost_features:
             state = torch.cat([state, costs if costs is not None else self.costs_tensor(None)])
+        if c.match_features:
+            state = torch.cat([state, self.match_tensor(match)])
         if c.layers == 1:
             if hc is None:
                 z = x.new_zeros(1, c.hidden)

@@ -114,6 +114,11 @@ class RadarTrainConfig:
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
     members: int = 8
     """Family members drawn per training cycle (with a family)."""
+    match: bool = False
+    """The policy observes the cycle's context match (issue 19): needs a dataset recorded with --chain-tokens and a
+    chain calibration (``chain``)."""
+    chain: str | None = None
+    """With match: the chain calibration JSON (the machine setup's chain.json) the match features are read from."""
     seed: int = 0
     resume: bool = False
     """Continue the runs in ``out`` (refused if their settings differ)."""
@@ -159,6 +164,8 @@ class RadarTrainConfig:
             raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
         if self.members < 1:
             raise ValueError(f"members must be >= 1, got {self.members}")
+        if self.match and not self.chain:
+            raise ValueError("match needs a chain calibration (chain=PATH: the machine setup's chain.json)")
         if (self.costs or self.family or self.spread > 1.0) and self.latency is None:
             raise ValueError("cost features and latency families need a latency model (latency=PATH)")
 
@@ -181,7 +188,7 @@ class Episodes:
     """Cycles as arrays: ``scores [N, D, W]``, ``dist [N, D, D+1]``, ``time [N, D]`` (seconds of a cycle
     stopped at k), ``tokens [N, D]`` (expected acc + bonus at k), ``ar [N]`` (seconds of one AR step at the cycle's
     context: speeds times it read as speedups; ones without a latency model), ``costs [N, C]`` (the cost features
-    of each cycle's machine, or None)."""
+    of each cycle's machine, or None), ``match [N, M]`` (each cycle's match features, or None)."""
 
     scores: torch.Tensor
     dist: torch.Tensor
@@ -190,6 +197,7 @@ class Episodes:
     keys: list[str] = field(default_factory=list)
     ar: torch.Tensor | None = None
     costs: torch.Tensor | None = None
+    match: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.ar is None:
@@ -204,13 +212,15 @@ class Episodes:
 
     def subset(self, idx) -> "Episodes":
         return Episodes(self.scores[idx], self.dist[idx], self.time[idx], self.tokens[idx], ar=self.ar[idx],
-                        costs=None if self.costs is None else self.costs[idx])
+                        costs=None if self.costs is None else self.costs[idx],
+                        match=None if self.match is None else self.match[idx])
 
     @staticmethod
     def cat(parts: list["Episodes"]) -> "Episodes":
         costs = None if parts[0].costs is None else torch.cat([p.costs for p in parts])
+        match = None if parts[0].match is None else torch.cat([p.match for p in parts])
         return Episodes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("scores", "dist", "time", "tokens")),
-                        [k for p in parts for k in p.keys], torch.cat([p.ar for p in parts]), costs)
+                        [k for p in parts for k in p.keys], torch.cat([p.ar for p in parts]), costs, match)
 
 
 def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: RadarTrainConfig,
@@ -229,7 +239,25 @@ def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: Rad
     return t_fixed + (k + 1) * t_draft + decisions * cfg.t_policy
 
 
-def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> Episodes:
+def match_features(records, calibration) -> torch.Tensor:
+    """``[N, M]`` the match features of every recorded cycle (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`
+    of its match length, read through ``calibration``; zeros without a match)."""
+    from adaptree.core.context import ContextMatch
+    from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule
+
+    rule = ChainRule(calibration, 1)
+    memo: dict[int, list[float]] = {0: [0.0] * len(MATCH_FEATURES)}
+    rows = []
+    for r in records:
+        for n in r.match_length.tolist():
+            if n not in memo:
+                rule.begin_match(ContextMatch(int(n), 1, 0, (0,)), 0)
+                memo[n] = rule.features()
+            rows.append(memo[n])
+    return torch.tensor(rows, dtype=torch.float32).reshape(-1, len(MATCH_FEATURES))
+
+
+def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, calibration=None) -> Episodes:
     scores = np.concatenate([r.scores for r in records]).astype(np.float32)
     dist = np.concatenate([r.dist for r in records]).astype(np.float64)
     dist = dist / dist.sum(-1, keepdims=True)
@@ -246,8 +274,9 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None) -> E
             from adaptree.offline.family import cost_features
 
             costs = torch.tensor([cost_features(latency, width)], dtype=torch.float32).expand(len(keys), -1)
+    match = match_features(records, calibration) if cfg.match else None
     return Episodes(torch.from_numpy(scores), torch.from_numpy(dist), torch.from_numpy(t), torch.from_numpy(tokens),
-                    keys, ar, costs)
+                    keys, ar, costs, match)
 
 
 def split_records(records, val_fraction: float, seed: int):
@@ -290,7 +319,7 @@ def evaluate_policy(policy: RadarPolicy, ep: Episodes | list[Episodes], threshol
         return out
     was = policy.training
     policy.eval()
-    p_stop = torch.softmax(policy(ep.scores[:, :-1], ep.costs), -1)[..., STOP]
+    p_stop = torch.softmax(policy(ep.scores[:, :-1], ep.costs, ep.match), -1)[..., STOP]
     policy.train(was)
     return evaluate_stops(ep, stop_points(p_stop, threshold))
 
@@ -307,7 +336,8 @@ def reinforce_loss(policy: RadarPolicy, ep: Episodes, idx: torch.Tensor, alpha: 
                    baseline: str, bonus: bool, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
     """Sample one episode per cycle ``idx`` and return the REINFORCE loss with diagnostics."""
     d = ep.depth
-    logits = policy(ep.scores[idx, :-1], None if ep.costs is None else ep.costs[idx])  # [B, D-1, 2]
+    logits = policy(ep.scores[idx, :-1], None if ep.costs is None else ep.costs[idx],
+                    None if ep.match is None else ep.match[idx])  # [B, D-1, 2]
     logp = torch.log_softmax(logits, -1)
     b = idx.numel()
     with torch.no_grad():
@@ -399,7 +429,7 @@ def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episode
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout,
-                            cost_features=cfg.costs, reference_costs=reference_costs)
+                            cost_features=cfg.costs, reference_costs=reference_costs, match_features=cfg.match)
     policy = RadarPolicy(mcfg)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -457,6 +487,17 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     if st.max_depth < 2:
         raise ValueError(f"the dataset has max_depth {st.max_depth}: no decision to learn")
     latency = load_latency(cfg)
+    calibration = None
+    if cfg.match:
+        from adaptree.methods.hybrid import ChainCalibration
+
+        if not st.chain_tokens:
+            raise ValueError(f"{cfg.data} was recorded without context chains: record it with --chain-tokens K to "
+                             "train a policy that observes the match")
+        calibration = ChainCalibration.load(cfg.chain)
+        if calibration.max_ngram != st.max_ngram:
+            raise ValueError(f"the chain calibration matches n-grams of up to {calibration.max_ngram} tokens, the "
+                             f"dataset's index up to {st.max_ngram}")
     tr, va = split_records(records, cfg.val_fraction, cfg.seed)
     if not tr:
         raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(records)}")
@@ -470,12 +511,13 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
         family = LatencyFamily([latency, *(LatencyModel.load(f) for f in cfg.family)], cfg.spread,
                                ["main", *cfg.family])
         rng = np.random.default_rng(cfg.seed)
-        train = Episodes.cat([make_episodes(tr, cfg, st.width, family.sample(rng)) for _ in range(cfg.members)])
-        val = [make_episodes(va, cfg, st.width, m) for m in family.bases]
+        train = Episodes.cat([make_episodes(tr, cfg, st.width, family.sample(rng), calibration)
+                              for _ in range(cfg.members)])
+        val = [make_episodes(va, cfg, st.width, m, calibration) for m in family.bases]
         reference = family.reference_costs() if cfg.costs else None
     else:
-        train = make_episodes(tr, cfg, st.width, latency)
-        val = make_episodes(va, cfg, st.width, latency)
+        train = make_episodes(tr, cfg, st.width, latency, calibration)
+        val = make_episodes(va, cfg, st.width, latency, calibration)
         if cfg.costs:
             from adaptree.offline.family import cost_features
 
