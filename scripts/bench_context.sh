@@ -6,7 +6,8 @@
 #
 #   bash scripts/bench_context.sh [RUNS_DIR] [PROMPTS_PER_DATASET]   # default runs/context, 5
 #
-# Run it on an otherwise idle machine: every number is wall-clock.
+# Float weights (--weights float): the transformers arm runs the same float weights (the machine setup may
+# prefer the GGUF's 4-bit ones). Run it on an otherwise idle machine: every number is wall-clock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${1:-runs/context}
@@ -18,13 +19,13 @@ export OMP_WAIT_POLICY=PASSIVE   # no spinning threads between forwards
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
 
 step "machine setup (latency model, acceptance and chain calibrations; cached)"
-adaptree adapt --quiet --json > "$R/setup.json"
+adaptree adapt --weights float --quiet --json > "$R/setup.json"
 LAT=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['folder'] + '/latency.json')" "$R/setup.json")
 
 step "greedy, with the oracle"
-adaptree bench --methods "$M" --datasets "$D" --limit "$N" --max-new-tokens 128 --reference hybrid \
+adaptree bench --weights float --methods "$M" --datasets "$D" --limit "$N" --max-new-tokens 128 --reference hybrid \
   --oracle-latency "$LAT" --out "$R/greedy"
 
 step "T=1"
-adaptree bench --methods "$M" --datasets "$D" --limit "$N" --max-new-tokens 128 --reference hybrid \
+adaptree bench --weights float --methods "$M" --datasets "$D" --limit "$N" --max-new-tokens 128 --reference hybrid \
   --temperature 1 --out "$R/t1"

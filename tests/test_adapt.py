@@ -70,6 +70,11 @@ def test_setup_is_made_once_and_cached(models, cache):
     again, said2 = _adapt(p)
     assert said2 == [] and again.folder == setup.folder and again.default_method == setup.default_method
     assert find_setup(p).to_dict() == setup.to_dict()
+    # a setup made before hybrid existed lacks chain.json: the cached setup gets it from its own traces
+    chain = setup.acceptance_path.with_name("chain.json")
+    fitted = chain.read_text()
+    chain.unlink()
+    assert find_setup(p).assets["chain"] == str(chain) and chain.read_text() == fitted
 
 
 def test_any_fingerprint_change_invalidates(models, cache):

@@ -237,7 +237,24 @@ def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
     if setup.fingerprint != json.loads(json.dumps(fp)) or not setup.latency_path.is_file() \
             or not setup.static_gs_path.is_file():
         return None
+    _complete(setup)
     return setup
+
+
+def _complete(setup: MachineSetup) -> None:
+    """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``: from
+    the setup's own traces, no model run, seconds)."""
+    acc = setup.acceptance_path
+    if acc is None or not acc.is_file() or acc.with_name("chain.json").is_file():
+        return
+    from adaptree.offline.traces import TraceStore
+
+    try:
+        traces = TraceStore(acc.parent).load_all()
+    except (OSError, ValueError):
+        return  # the traces are gone: methods that need the file say so
+    if traces:
+        _acceptance(acc.parent, traces)
 
 
 def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[int, int]:
