@@ -261,7 +261,8 @@ class ChainRule:
         return match.tokens if match is not None else ()
 
     def begin(self, ctx) -> tuple[int, ...]:
-        """The cycle's chain (empty without a match) from ``ctx``'s index (a :class:`~adaptree.core.controller.CycleContext`)."""
+        """The cycle's chain (empty without a match) from the index of ``ctx``
+        (a :class:`~adaptree.core.controller.CycleContext`)."""
         if ctx.index is None:
             raise ValueError("the chain rule needs the loop's context index: return ChainRule.index() from the "
                              "controller's context_index()")

@@ -180,8 +180,8 @@ class RadarDataSettings(StoreSettings):
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
     chain_tokens: int = 0
-    """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree (issue 19);
-    0: head trees only."""
+    """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree
+    (issue 19); 0: head trees only."""
     max_ngram: int = 4
     """With chain_tokens: the longest n-gram the context index matches (a chain calibration's max_ngram)."""
 
