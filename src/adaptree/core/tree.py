@@ -260,24 +260,34 @@ class DraftTree:
                           ancestor_mask(all_par, all_depth))
 
 
+def chain_walk(tree: VerifyTree, chain: Sequence[int]) -> list[int]:
+    """The nodes of ``tree`` down ``chain``'s tokens from the root (the root first; at each node the first child with
+    the next token), as far as the tree holds them."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    child: dict[tuple[int, int], int] = {}
+    for node in range(len(tokens) - 1, 0, -1):  # the first child with a token wins
+        child[(parents[node], tokens[node])] = node
+    path = [0]
+    for t in chain:
+        nxt = child.get((path[-1], int(t)))
+        if nxt is None:
+            break
+        path.append(nxt)
+    return path
+
+
 def add_chain(tree: VerifyTree, chain: Sequence[int]) -> tuple[VerifyTree, int]:
     """``tree`` with ``chain`` as one more root-to-leaf path: the chain walks down the nodes whose tokens it
     shares (a child with the same token, the first such child), then its remaining tokens become new nodes
     (appended: the order stays topological). Returns the tree and the number of nodes added."""
     if not chain:
         return tree, 0
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    child: dict[tuple[int, int], int] = {}
-    for node in range(len(tokens) - 1, 0, -1):  # the first child with a token wins
-        child[(parents[node], tokens[node])] = node
-    cur, k = 0, 0
-    while k < len(chain) and (cur, int(chain[k])) in child:
-        cur = child[(cur, int(chain[k]))]
-        k += 1
+    path = chain_walk(tree, chain)
+    cur, k = path[-1], len(path) - 1
     rest = [int(t) for t in chain[k:]]
     if not rest:
         return tree, 0
-    dev, n = tree.tokens.device, len(tokens)
+    dev, n = tree.tokens.device, tree.tokens.numel()
     start = int(tree.depth[cur])
     new_par = torch.tensor([cur] + list(range(n, n + len(rest) - 1)), dtype=torch.long, device=dev)
     new_depth = torch.arange(start + 1, start + 1 + len(rest), dtype=torch.long, device=dev)

@@ -65,7 +65,7 @@ import torch
 
 from adaptree.core.context import ContextIndex
 from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
-from adaptree.core.tree import DraftStep, DraftTree, VerifyTree, add_chain
+from adaptree.core.tree import DraftStep, DraftTree, VerifyTree, add_chain, chain_walk
 from adaptree.core.verify import SamplingConfig, greedy_tokens, warp_probs
 from adaptree.offline.store import (
     FingerprintedStore,
@@ -126,18 +126,11 @@ def union_of(tree: DraftTree, selections: Sequence[torch.Tensor]) -> tuple[Verif
 
 
 def chain_path(tree: VerifyTree, chain: Sequence[int]) -> torch.Tensor:
-    """The nodes of ``tree`` on ``chain``'s path from the root (ascending, the root first), followed as
-    :func:`~adaptree.core.tree.add_chain` walks it (the first child with a token), for a tree that holds the chain."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    child: dict[tuple[int, int], int] = {}
-    for node in range(len(tokens) - 1, 0, -1):
-        child[(parents[node], tokens[node])] = node
-    path = [0]
-    for t in chain:
-        nxt = child.get((path[-1], int(t)))
-        if nxt is None:
-            raise ValueError(f"the tree does not hold the chain (token {int(t)} after node {path[-1]})")
-        path.append(nxt)
+    """The nodes of ``tree`` on ``chain``'s path from the root (ascending, the root first), as
+    :func:`~adaptree.core.tree.add_chain` walks it, for a tree that holds the whole chain."""
+    path = chain_walk(tree, chain)
+    if len(path) <= len(chain):
+        raise ValueError(f"the tree does not hold the chain (token {int(chain[len(path) - 1])} after node {path[-1]})")
     return torch.tensor(path, dtype=torch.long, device=tree.tokens.device)
 
 
