@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PROMPTS, tiny_head, tiny_target
 from scipy.stats import chisquare
-from ties import assert_mostly_exact, replay_against_live
+from ties import assert_mostly_exact, lossless_replays, replay_against_live
 
 from adaptree.core.engine import Engine
 from adaptree.core.controller import TreePlan
@@ -478,15 +478,8 @@ def test_radar_with_a_context_chain_is_lossless_and_replays_live():
         ctl.use_latency(lat)
         return ctl
 
-    checks, chained = [], 0
-    for prompt, tr in zip(prompts, traces):
-        ar = eng.generate(prompt, None, max_new_tokens=20)
-        check = replay_against_live(eng, make(), make(), prompt, tr, 20)
-        assert check.live.token_ids == ar.token_ids
-        checks.append(check)
-        chained += sum(c.chain_accepted for c in check.live.cycles)
-    assert_mostly_exact(checks)
-    assert chained > 0
+    checks = lossless_replays(eng, make, prompts, traces, 20)
+    assert sum(c.chain_accepted for check in checks for c in check.live.cycles) > 0
 
 
 def test_dataset_with_context_chains_holds_the_trees_the_engine_verifies(tiny_pair, tmp_path):

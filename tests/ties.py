@@ -410,6 +410,20 @@ def replay_against_live(engine, live_ctl: Controller, sim_ctl: Controller, promp
     return ReplayCheck(live, sim, k)
 
 
+def lossless_replays(engine, make, prompts, traces, max_new_tokens: int) -> list[ReplayCheck]:
+    """Every prompt generated live with ``make()`` and replayed from its trace with another ``make()``
+    (:func:`replay_against_live`): the live output equals AR's (fp32 greedy: lossless), and the replays are
+    mostly exact (:func:`assert_mostly_exact`). Returns the checks."""
+    checks = []
+    for prompt, trace in zip(prompts, traces):
+        ar = engine.generate(prompt, None, max_new_tokens=max_new_tokens)
+        check = replay_against_live(engine, make(), make(), prompt, trace, max_new_tokens)
+        assert check.live.token_ids == ar.token_ids, f"trace {trace.key!r}: the output is not AR's"
+        checks.append(check)
+    assert_mostly_exact(checks)
+    return checks
+
+
 def assert_mostly_exact(checks: list[ReplayCheck], at_least: float = 0.5) -> None:
     """The replays left their live runs (on near-ties) late or seldom enough that the comparison still covers
     ``at_least`` of all live cycles: a test that only ever compared a cycle or two would mean little."""

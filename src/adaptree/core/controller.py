@@ -40,6 +40,10 @@ class TreePlan:
         if self.size < 0:
             raise ValueError(f"verification size V must be >= 0, got {self.size}")
 
+    def with_chain(self, chain: Sequence[int]) -> TreePlan:
+        """This plan with ``chain`` as its chain (this plan itself when ``chain`` is empty)."""
+        return TreePlan(self.width, self.max_depth, self.size, tuple(chain)) if chain else self
+
 
 @dataclass
 class CycleContext:

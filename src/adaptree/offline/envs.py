@@ -185,9 +185,7 @@ class _Bridge(Controller):
                 self.left = self.env.interval
             self.left -= 1
             plan = self.plan
-        if chain and not plan.chain:
-            plan = TreePlan(plan.width, plan.max_depth, plan.size, chain)
-        return plan
+        return plan if plan.chain else plan.with_chain(chain)
 
     def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
         if self.env.chain is not None:

@@ -212,6 +212,19 @@ def check_chain_tokens(value) -> None:
         raise ValueError(f"chain_tokens must be an integer >= 0, got {value!r}")
 
 
+class ChainSeam:
+    """The controller hooks of a method whose cycles may carry a :class:`ChainRule`'s chain (``self.chain_rule``;
+    None: no chain, no context index). Put it before :class:`~adaptree.core.controller.Controller` in the bases."""
+
+    chain_rule: ChainRule | None = None
+
+    def context_index(self) -> ContextIndex | None:
+        return self.chain_rule.index() if self.chain_rule is not None else None
+
+    def choose_chain(self, tree, plan, size: int) -> int:
+        return self.chain_rule.choose(tree, plan, size)
+
+
 class ChainRule:
     """A context chain in the cycles of a controller that decides the head's tree by other means (a learned policy).
 
@@ -294,5 +307,5 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["ChainCalibration", "ChainRule", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "match_values",
+__all__ = ["ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "match_values",
            "shared_ranks"]

@@ -105,9 +105,9 @@ class HybridController(CostAwareController):
         self.chain_alone = float(chain_alone.max())
         if plan is AR_PLAN:
             self.k_star = int(np.argmax(chain_alone))
-            return TreePlan(1, 0, 0, m.tokens[:self.k_star]) if self.k_star else AR_PLAN
+            return AR_PLAN.with_chain(m.tokens[:self.k_star])
         self.k_star = len(m.tokens)
-        return TreePlan(plan.width, plan.max_depth, plan.size, m.tokens)
+        return plan.with_chain(m.tokens)
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if not plan.chain:

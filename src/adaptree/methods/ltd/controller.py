@@ -45,7 +45,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, check_chain_tokens, match_values
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, ChainSeam, check_chain_tokens, match_values
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -238,7 +238,7 @@ def _load(kind: str, path: str | None):
     return MLPPolicy.load(Path(path), kind=f"ltd-{kind}")
 
 
-class LTDController(Controller):
+class LTDController(ChainSeam, Controller):
     """EAGLE-3's tree with LTD's learned depth (per draft step) and size (per cycle).
 
     :param depth_policy, size_policy: loaded :class:`~adaptree.rl.policy.MLPPolicy` objects (override the
@@ -274,7 +274,8 @@ class LTDController(Controller):
             raise ValueError(f"depth {depth} exceeds the size policy's max_depth {self.size_obs.max_depth}")
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
-        self.chain_rule = ChainRule.of(cfg, chain_calibration, any(o.use_match for o in obs), self.name)
+        self.observes = any(o.use_match for o in obs)
+        self.chain_rule = ChainRule.of(cfg, chain_calibration, self.observes, self.name)
         self.match: list[float] | None = None
         self.gate = ARGate.of(cfg)
         self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
@@ -293,9 +294,6 @@ class LTDController(Controller):
         if self.chain_rule is not None:
             self.chain_rule.latency = latency
 
-    def context_index(self):
-        return self.chain_rule.index() if self.chain_rule is not None else None
-
     def reset(self) -> None:
         if self.gate is not None:
             self.gate.reset()
@@ -305,14 +303,11 @@ class LTDController(Controller):
         chain = ()
         if self.chain_rule is not None:
             chain = self.chain_rule.begin(ctx)
-            self.match = self.chain_rule.features()
+            self.match = self.chain_rule.features() if self.observes else None
         if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
                                                                           ctx.context_len):
             plan = AR_PLAN
-        return TreePlan(plan.width, plan.max_depth, plan.size, chain) if chain else plan
-
-    def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
-        return self.chain_rule.choose(tree, plan, size)
+        return plan.with_chain(chain)
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:

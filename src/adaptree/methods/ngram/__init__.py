@@ -50,7 +50,7 @@ class NgramController(Controller):
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         m = ctx.index.match(self.config.tokens, self.config.min_n)
-        return TreePlan(1, 0, 0, chain=m.tokens) if m is not None else AR_PLAN
+        return AR_PLAN.with_chain(m.tokens) if m is not None else AR_PLAN
 
 
 __all__ = ["NgramConfig", "NgramController"]

@@ -28,7 +28,7 @@ from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import ChainRule, check_chain_tokens
+from adaptree.methods.hybrid.chain import ChainRule, ChainSeam, check_chain_tokens
 
 @dataclass
 class RadarConfig(TreeShape):
@@ -74,7 +74,7 @@ class RadarConfig(TreeShape):
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
 
 
-class RadarController(Controller):
+class RadarController(ChainSeam, Controller):
     """EAGLE-3's tree with RADAR's learned continue/stop decisions.
 
     :param policy: a loaded :class:`~adaptree.rl.radar.RadarPolicy` (overrides ``config.policy``).
@@ -121,12 +121,6 @@ class RadarController(Controller):
         if self.chain_rule is not None:
             self.chain_rule.latency = latency
 
-    def context_index(self):
-        return self.chain_rule.index() if self.chain_rule is not None else None
-
-    def choose_chain(self, tree, plan: TreePlan, size: int) -> int:
-        return self.chain_rule.choose(tree, plan, size)
-
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
         self.hc = None
@@ -139,11 +133,11 @@ class RadarController(Controller):
         chain = ()
         if self.chain_rule is not None:
             chain = self.chain_rule.begin(ctx)
-            self.match = self.chain_rule.features()
+            self.match = self.chain_rule.features() if self.policy.config.match_features else None
         if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
                                                                           ctx.context_len):
             plan = AR_PLAN
-        return TreePlan(plan.width, plan.max_depth, plan.size, chain) if chain else plan
+        return plan.with_chain(chain)
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:

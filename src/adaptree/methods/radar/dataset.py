@@ -248,9 +248,7 @@ class RadarRecorder(Controller):
         self._scores = []
         self._pending: CycleData | None = None
         self.match = ctx.index.match(self.settings.chain_tokens, 1) if ctx.index is not None else None
-        if self.match is None:
-            return self.plan
-        return TreePlan(self.plan.width, self.plan.max_depth, self.plan.size, self.match.tokens)
+        return self.plan.with_chain(self.match.tokens if self.match is not None else ())
 
     def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
         return len(plan.chain)  # the whole chain, as the dataset's trees hold it

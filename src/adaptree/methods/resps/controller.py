@@ -56,7 +56,7 @@ from adaptree.core.controller import (
 )
 from adaptree.core.records import CycleRecord
 from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, check_chain_tokens, match_values
+from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, ChainSeam, check_chain_tokens, match_values
 
 RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
 """TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
@@ -284,7 +284,7 @@ def load_policy(path: str | Path | None):
     return MLPPolicy.load(Path(path), kind="resps")
 
 
-class ReSpSController(Controller):
+class ReSpSController(ChainSeam, Controller):
     """EAGLE-3's tree with the (TT, d, k) a Re-SpS policy picked from the target's features, cached N cycles.
 
     :param policy: a loaded :class:`~adaptree.rl.policy.MLPPolicy` of kind ``resps`` (overrides
@@ -341,12 +341,6 @@ class ReSpSController(Controller):
         if self.chain_rule is not None:
             self.chain_rule.latency = latency
 
-    def context_index(self):
-        return self.chain_rule.index() if self.chain_rule is not None else None
-
-    def choose_chain(self, tree, plan: TreePlan, size: int) -> int:
-        return self.chain_rule.choose(tree, plan, size)
-
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
             self.gate.record(record)
@@ -365,7 +359,7 @@ class ReSpSController(Controller):
         chain = rule.begin(ctx) if rule is not None else ()
         gate = self.gate
         if gate is not None and gate.latency is not None and gate.ar_step(*self.smallest, ctx.context_len):
-            return TreePlan(1, 0, 0, chain) if chain else AR_PLAN
+            return AR_PLAN.with_chain(chain)
         if self.left <= 0 or self.plan is None:
             match = rule.features() if rule is not None and self.state.use_match else None
             a = self.policy.act(self.observe(ctx, match), self.temperature, self.gen)
@@ -374,5 +368,4 @@ class ReSpSController(Controller):
             self.decisions.append((ctx.cycle, a))
             self.counts[a] += 1
         self.left -= 1
-        p = self.plan
-        return TreePlan(p.width, p.max_depth, p.size, chain) if chain else p
+        return self.plan.with_chain(chain)
