@@ -3,7 +3,8 @@
 # Every arm trains on the same first $CHUNKS chunks of the committed greedy corpus with one shared feature
 # store (features extracted once), and is resumable: rerun the script after an interruption.
 #
-#   CHUNKS=4 EPOCHS=1 bash scripts/head_ablations.sh        # ~13 min per arm on 2 cores (7 arms)
+#   CHUNKS=3 EPOCHS=3 bash scripts/head_ablations.sh                      # ~30 min per arm on 2 cores
+#   ARMS="base ttt3" CHUNKS=3 EPOCHS=3 bash scripts/head_ablations.sh     # only these arms
 #
 # It ends with the table and plot (scripts/head_curve.py) in docs/results/head-training/ablations.{md,png,json}.
 set -euo pipefail
@@ -11,12 +12,14 @@ CHUNKS=${CHUNKS:-4}
 EPOCHS=${EPOCHS:-1}
 THREADS=${THREADS:-2}
 OUT=${OUT:-runs/ablate}
+ARMS=${ARMS:-base lr1e-3 lr5e-3 ttt3 vocab16k plus-t1 plus-sharegpt}
 GREEDY=corpora/smollm2-135m-greedy
 SAMPLED=corpora/smollm2-135m-t1          # adaptree corpus grow --out $SAMPLED --temperature 1 --chunks $CHUNKS
 SHAREGPT=corpora/smollm2-135m-sharegpt   # adaptree corpus grow --out $SHAREGPT --source sharegpt --chunks $CHUNKS
 
 arm() {  # arm NAME [train-head flags...]
   local name=$1; shift
+  case " $ARMS " in *" $name "*) ;; *) return ;; esac
   local resume=()
   if [ -e "$OUT/$name/ckpt" ] || [ -e "$OUT/$name/ckpt.old" ]; then resume=(--resume); fi
   if [ -e "$OUT/$name/training_summary.json" ]; then echo "== $name: done"; return; fi

@@ -68,6 +68,11 @@ def test_chain_rates_are_the_counted_acceptances(traces):
     assert fit.trials.tolist() == trials.tolist() and trials.sum() > 50
     np.testing.assert_allclose(fit.rates, np.divide(hits, trials, out=np.zeros_like(hits), where=trials > 0))
     assert fit.samples > 0 and fit.fingerprints["model"]
+    # the same counts from plain token-id texts (a corpus), with the fingerprints given
+    texts = ChainCalibration.fit_texts(((t.prompt.tolist(), t.output, t.end) for t in traces), {"model": "m"},
+                                       max_ngram=3, max_tokens=6, edges=(1, 2, 4), smoothing=0.0)
+    assert texts.trials.tolist() == trials.tolist() and texts.samples == fit.samples
+    assert texts.fingerprints == {"model": "m"}
 
 
 def test_probs_are_cumulative_products_per_bucket():

@@ -27,7 +27,7 @@ rates depend on the target's outputs only, the head is recorded for :meth:`check
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,25 +102,44 @@ class ChainCalibration:
     def fit(cls, traces: PromptTrace | Iterable[PromptTrace], max_ngram: int = 4, max_tokens: int = 16,
             edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0) -> ChainCalibration:
         """Fit on greedy traces (module docstring); an iterable is consumed once."""
+        if isinstance(traces, PromptTrace):
+            traces = [traces]
+        fps: dict[str, str] = {}
+
+        def texts() -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+            first = None
+            for trace in traces:
+                own = {k: trace.fingerprints.get(k, "") for k in ("model", "head")}
+                if first is None:
+                    fps.update(own)
+                    first = trace.key
+                elif own["model"] != fps["model"]:
+                    raise ValueError(f"trace {trace.key!r} was recorded with another model than {first!r}; fit "
+                                     f"one chain calibration per model")
+                yield trace.prompt, trace.output, trace.end
+
+        cal = cls.fit_texts(texts(), max_ngram=max_ngram, max_tokens=max_tokens, edges=edges, smoothing=smoothing)
+        cal.fingerprints = dict(fps)
+        return cal
+
+    @classmethod
+    def fit_texts(cls, texts: Iterable[tuple[Sequence[int], Sequence[int], int]], fingerprints: Mapping[str, str]
+                  | None = None, max_ngram: int = 4, max_tokens: int = 16, edges: Sequence[int] = DEFAULT_EDGES,
+                  smoothing: float = 4.0) -> ChainCalibration:
+        """Fit on ``(prompt, output, end)`` token-id texts: the target's greedy ``output`` after ``prompt``, roots at
+        its first ``end`` tokens (a self-distilled corpus: ``end = len(output)``). ``fingerprints``: at least the
+        target's ``model`` digest (:func:`~adaptree.offline.traces.model_fingerprint`), which :meth:`check` compares."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if smoothing < 0:
             raise ValueError(f"smoothing must be >= 0, got {smoothing}")
-        if isinstance(traces, PromptTrace):
-            traces = [traces]
         edges_a = np.asarray(edges, np.int64)
         hits = np.zeros((edges_a.size, max_tokens))
         trials = np.zeros((edges_a.size, max_tokens))
-        samples, fps, first = 0, None, None
-        for trace in traces:
-            own = {k: trace.fingerprints.get(k, "") for k in ("model", "head")}
-            if fps is None:
-                fps, first = own, trace.key
-            elif own["model"] != fps["model"]:
-                raise ValueError(f"trace {trace.key!r} was recorded with another model than {first!r}; fit one "
-                                 f"chain calibration per model")
-            y = trace.output.tolist()
-            for j, m in context_matches(trace, trace.end, max_tokens, max_ngram, max(max_ngram, int(edges_a[-1]))):
+        samples = 0
+        for prompt, output, end in texts:
+            y = [int(t) for t in output]
+            for j, m in context_matches(prompt, y, end, max_tokens, max_ngram, max(max_ngram, int(edges_a[-1]))):
                 if m is None:
                     continue
                 samples += 1
@@ -135,7 +154,7 @@ class ChainCalibration:
         pooled = np.divide(hits.sum(0), trials.sum(0), out=np.zeros(max_tokens), where=trials.sum(0) > 0)
         rates = (hits + smoothing * pooled) / np.maximum(trials + smoothing, 1e-12)
         rates[(trials + smoothing) == 0] = 0.0
-        return cls(max_ngram, edges_a, np.clip(rates, 0.0, 1.0), trials, samples, fps or {})
+        return cls(max_ngram, edges_a, np.clip(rates, 0.0, 1.0), trials, samples, dict(fingerprints or {}))
 
     def check(self, fingerprints: Mapping[str, str]) -> list[str]:
         """A message when ``fingerprints``' model differs from the one the rates were measured on."""
