@@ -6,7 +6,8 @@ Each argument is a ``train-head`` run folder (its ``training_summary.json``) or 
 ``LABEL=PATH``. The x axis is the number of response tokens the head was trained on (the training split's,
 or for summaries older than that field, the corpus's response tokens scaled by the training split's share of
 all tokens); the y axes are the exported head's held-out step-0 acceptance and chain tau (teacher-forced TTT
-validation, ``train-head``'s own measure). Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+validation, ``train-head``'s own measure); the table adds, where recorded, the T=1 step-0 acceptance of speculative
+sampling and the target's probability mass on the draft vocabulary. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def point(label: str, s: dict) -> dict:
     cfg = s["config"]
     return {"label": label, "train_response_tokens": train_resp, "train_tokens": d["train_tokens"],
             "step0": v["step_acc"][0], "step_acc": v["step_acc"], "chain_tau": v.get("chain_tau"),
+            "step0_sampled": v.get("step0_sampled_acc"), "coverage": v.get("coverage"),
             "selected": s["validation"].get("selected", {"by": "last"}), "draft_vocab": cfg["draft_vocab"],
             "ttt_steps": cfg["ttt_steps"], "epochs": cfg["epochs"], "lr": cfg["lr"],
             "val_sequences": d["val_sequences"], "command": s.get("command")}
@@ -56,11 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(pts, indent=1) + "\n")
     lines = ["| head | training response tokens | draft vocab | TTT | epochs | lr | step-0 acc. | chain tau | "
-             "exported step |", "|---|---|---|---|---|---|---|---|---|"]
+             "T=1 step-0 acc. | vocab mass | exported step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    opt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731 (older summaries lack the T=1 fields)
     for p in pts:
         lines.append(f"| {p['label']} | {p['train_response_tokens'] / 1e6:.3f}M | {p['draft_vocab']} | "
                      f"{p['ttt_steps']} | {p['epochs']} | {p['lr']:g} | {p['step0']:.3f} | "
-                     f"{p['chain_tau']:.2f} | {p['selected'].get('step', '?')} ({p['selected']['by']}) |")
+                     f"{p['chain_tau']:.2f} | {opt(p['step0_sampled'])} | {opt(p['coverage'])} | "
+                     f"{p['selected'].get('step', '?')} ({p['selected']['by']}) |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
     xs = [p["train_response_tokens"] for p in pts]

@@ -301,6 +301,7 @@ def test_training_lowers_loss_and_logs(tiny_run):
     assert last < 0.9 * first, (first, last)
     val = summary["validation"]["final"]
     assert len(val["step_acc"]) == 8 and val["positions"] > 0 and val["chain_tau"] >= 1.0  # val_steps = 8
+    assert 0.0 < val["step0_sampled_acc"] <= val["coverage"] <= 1.0 + 1e-6
     seqs = read_corpus(out / "corpus")
     assert len(seqs) == 30 and all(len(s.input_ids) == len(prompts[s.id]) + 40 for s in seqs)
     assert all(s.loss_mask == [0] * len(prompts[s.id]) + [1] * 40 for s in seqs)
@@ -555,6 +556,25 @@ def test_fused_soft_cross_entropy_and_selected_logits():
         sel = ttt_forward(head, feats[:, :9], x[:, 1:], 3, logits_rows=rows)
     for k in range(3):
         torch.testing.assert_close(sel[k][1], full[k][1][rows[k]])
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_two_distributions():
+    from adaptree.head_training.ttt import sampled_acceptance
+
+    g = torch.Generator().manual_seed(0)
+    vocab, draft, h = 40, 12, 8
+    lm = torch.randn(vocab, h, generator=g)
+    t2d = torch.randperm(vocab, generator=g)[:draft]  # draft id -> target id
+    hidden, logits = torch.randn(5, h, generator=g), torch.randn(5, draft, generator=g)
+    p = torch.softmax(hidden @ lm.T, -1)  # the target over its whole vocabulary
+    q = torch.zeros(5, vocab)
+    q[:, t2d] = torch.softmax(logits, -1)  # the head's, placed at the target ids
+    acc, mass = sampled_acceptance(logits, torch.softmax(hidden @ lm[t2d].T, -1), hidden, lm[t2d], lm, chunk=2)
+    assert acc == pytest.approx(float(torch.minimum(p, q).sum()), rel=1e-5)
+    assert mass == pytest.approx(float(p[:, t2d].sum()), rel=1e-5)
+    # a head that drafts the target's own distribution is accepted with the target's mass on its vocabulary
+    same, _ = sampled_acceptance(torch.log(p[:, t2d]), p[:, t2d] / p[:, t2d].sum(-1, keepdim=True), hidden, lm[t2d], lm)
+    assert same == pytest.approx(mass, rel=1e-5)
 
 
 def test_bf16_autocast_loss_is_close_to_fp32():

@@ -292,6 +292,8 @@ class _Meter:
         self.correct = [0] * self.k
         self.chain_sum = 0.0
         self.bases = 0
+        self.sampled = 0.0
+        self.coverage = 0.0
         self.total_loss = 0.0
         self.batches = 0
         self.tokens = 0
@@ -301,6 +303,8 @@ class _Meter:
             self.loss_sum[k] += stats["loss_sum"][k]
             self.count[k] += stats["count"][k]
             self.correct[k] += stats["correct"][k]
+        self.sampled += stats.get("sampled", 0.0)
+        self.coverage += stats.get("coverage", 0.0)
         if chains:
             s, n = chain_lengths(stats["correct_mask"], stats["valid_mask"])
             self.chain_sum += s
@@ -318,6 +322,9 @@ class _Meter:
         }
         if self.bases:
             out["chain_tau"] = 1.0 + self.chain_sum / self.bases
+        if self.coverage and self.count[0]:  # validation with the target's whole lm_head (ttt_loss's target_lm)
+            out["step0_sampled_acc"] = self.sampled / self.count[0]
+            out["coverage"] = self.coverage / self.count[0]
         return out
 
 
@@ -393,7 +400,8 @@ class HeadTrainer:
         for batch_refs in make_batches(refs, self.cfg.batch_tokens, None):
             batch = self._batch(batch_refs)
             with self._autocast():
-                loss, stats = ttt_loss(head, batch, lm_rows, steps, self.cfg.step_decay)
+                loss, stats = ttt_loss(head, batch, lm_rows, steps, self.cfg.step_decay,
+                                       target_lm=self.target.lm_head.weight.detach().to(self.device))
             meter.add(stats, float(loss), int(batch["input_ids"].numel()), chains=True)
         head.train()
         return meter.summary()
@@ -510,7 +518,8 @@ class HeadTrainer:
                     self._log(v)
                     self._keep_if_best(head, v, history)
                     bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
-                              + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}")
+                              + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}"
+                              + f", T=1 step-0 acceptance {v.get('step0_sampled_acc', 0):.3f}")
                     t_last = time.perf_counter()
                 if step % cfg.ckpt_every == 0 or step == total:
                     consistent = False  # an interrupted save leaves the previous checkpoint (atomic swap)

@@ -235,7 +235,7 @@ def collate(seqs: list[dict[str, torch.Tensor]], device: torch.device | str = "c
 
 
 def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor, steps: int,
-             decay: float = 0.8) -> tuple[torch.Tensor, dict]:
+             decay: float = 0.8, target_lm: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted TTT loss ``sum_k decay^k * loss_k`` and per-step statistics.
 
     ``loss_k`` is the soft cross-entropy between the head's logits and the target's distribution restricted
@@ -244,7 +244,12 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     valid at step k. Per step the statistics hold the summed loss, the number of positions, and how many
     of them have ``draft argmax (as a target id) == target argmax over the full vocabulary`` (greedy
     acceptance of that step given a correct prefix), plus ``[B, T]`` ``correct`` / ``valid`` masks for
-    chain statistics."""
+    chain statistics.
+
+    ``target_lm`` (the target's whole ``lm_head`` weight; validation): the statistics add, summed over step 0's
+    rows, ``sampled`` = ``sum_x min(p(x), q(x))``, the probability that speculative sampling at temperature 1
+    accepts the head's sampled first token (``p`` the target's distribution over its whole vocabulary, ``q`` the
+    head's), and ``coverage`` = the target's probability mass on the draft vocabulary."""
     weight = batch["weight"]
     t = weight.shape[1]
     qpos = torch.arange(t, device=weight.device)
@@ -274,7 +279,26 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
         stats["correct"].append(int(ok_rows.sum()))
         stats["correct_mask"].append(ok)
         stats["valid_mask"].append(weight & (qpos >= k)[None])
+    if target_lm is not None:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            stats["sampled"], stats["coverage"] = sampled_acceptance(
+                outs[0][1].float(), tgt_all, batch["hidden"][weight].float(), target_lm_rows, target_lm)
     return total, stats
+
+
+def sampled_acceptance(logits: torch.Tensor, target_draft: torch.Tensor, hidden: torch.Tensor,
+                       target_lm_rows: torch.Tensor, target_lm: torch.Tensor, chunk: int = 1024) -> tuple[float, float]:
+    """Summed over rows: ``sum_x min(p(x), q(x))`` (speculative sampling's acceptance of one token drawn from
+    ``q = softmax(logits)`` over the draft vocabulary, against the target's ``p`` over its whole vocabulary) and the
+    target's mass on the draft vocabulary. ``target_draft``: ``p`` restricted to the draft vocabulary and renormalised
+    (``softmax(hidden @ target_lm_rows.T)``); the mass is ``exp(lse(hidden @ target_lm_rows.T) - lse(hidden @
+    target_lm.T))``, the whole-vocabulary log-normaliser computed ``chunk`` rows at a time."""
+    w = target_lm.float()
+    mass = torch.cat([torch.exp(torch.logsumexp(h @ target_lm_rows.float().T, -1) - torch.logsumexp(h @ w.T, -1))
+                      for h in hidden.split(chunk)]) if hidden.shape[0] else hidden.new_zeros(0)
+    q = torch.softmax(logits, -1)
+    acc = torch.minimum(target_draft * mass[:, None], q).sum(-1)
+    return float(acc.sum()), float(mass.sum())
 
 
 def chain_lengths(correct: list[torch.Tensor], valid: list[torch.Tensor]) -> tuple[float, int]:
@@ -294,4 +318,5 @@ def chain_lengths(correct: list[torch.Tensor], valid: list[torch.Tensor]) -> tup
     return float(total[base].sum()), int(base.sum())
 
 
-__all__ = ["chain_attention_reference", "chain_lengths", "collate", "shift_right", "soft_cross_entropy", "ttt_forward", "ttt_loss"]
+__all__ = ["chain_attention_reference", "chain_lengths", "collate", "sampled_acceptance", "shift_right", "soft_cross_entropy",
+           "ttt_forward", "ttt_loss"]
