@@ -12,7 +12,7 @@ CHUNKS=${CHUNKS:-4}
 EPOCHS=${EPOCHS:-1}
 THREADS=${THREADS:-2}
 OUT=${OUT:-runs/ablate}
-ARMS=${ARMS:-base lr1e-3 lr5e-3 ttt3 vocab16k plus-t1 plus-sharegpt}
+ARMS=${ARMS:-base lr1e-3 lr5e-3 ttt3 vocab16k ttt3-vocab16k plus-t1 plus-sharegpt}
 GREEDY=corpora/smollm2-135m-greedy
 SAMPLED=corpora/smollm2-135m-t1          # adaptree corpus grow --out $SAMPLED --temperature 1 --chunks $CHUNKS
 SHAREGPT=corpora/smollm2-135m-sharegpt   # adaptree corpus grow --out $SHAREGPT --source sharegpt --chunks $CHUNKS
@@ -34,6 +34,7 @@ arm lr1e-3    --corpus $GREEDY --ttt-steps 7 --lr 1e-3 --draft-vocab 8192
 arm lr5e-3    --corpus $GREEDY --ttt-steps 7 --lr 5e-3 --draft-vocab 8192
 arm ttt3      --corpus $GREEDY --ttt-steps 3 --lr 2e-3 --draft-vocab 8192
 arm vocab16k  --corpus $GREEDY --ttt-steps 7 --lr 2e-3 --draft-vocab 16384
+arm ttt3-vocab16k --corpus $GREEDY --ttt-steps 3 --lr 2e-3 --draft-vocab 16384
 if [ -f $SAMPLED/manifest.json ]; then
   arm plus-t1 --corpus $GREEDY,$SAMPLED --ttt-steps 7 --lr 2e-3 --draft-vocab 8192
 fi
