@@ -179,7 +179,7 @@ def context_chains(trace: PromptTrace, T: int, max_tokens: int, max_ngram: int =
     the recorded output accepts (:func:`~adaptree.offline.simulator.chain_credit`)."""
     y = trace.output.tolist()
     chains, acc = [], np.zeros(T, np.int64)
-    for j, m in context_matches(trace.prompt, trace.output.tolist(), T, max_tokens, max_ngram):
+    for j, m in context_matches(trace.prompt, y, T, max_tokens, max_ngram):
         chains.append(m.tokens if m is not None else ())
         acc[j] = chain_credit(y, j, chains[-1])
     return chains, acc
