@@ -5,6 +5,7 @@
 #
 #   bash scripts/head_full.sh     # on 2 cores: ~1.1 h per million response tokens and epoch (features + training)
 #
+# Stop it with Ctrl-C or `kill PID` (SIGTERM): either saves a checkpoint at the step reached.
 # Hand-over at the end of a session (the checkpoint is bfloat16: ~63 MB with the optimizer's moments):
 #   git add "$OUT" && git commit -m "head run: checkpoint at step N"
 # The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.

@@ -423,6 +423,17 @@ class HeadTrainer:
         found = runs.find_checkpoint(self.out / "best")
         return runs.checkpoint_state(found) if found is not None else None
 
+    def _truncate_log(self, step: int) -> None:
+        """Drop the log's records past ``step`` (those of the steps after the checkpoint a resumed run redoes)."""
+        if not self.log_path.is_file():
+            return
+        lines = self.log_path.read_text(encoding="utf-8").splitlines()
+        keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
+        if len(keep) != len(lines):
+            tmp = self.log_path.with_suffix(".tmp")
+            tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+            tmp.replace(self.log_path)
+
     def _log(self, record: dict) -> None:
         with open(self.log_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -459,6 +470,7 @@ class HeadTrainer:
             step, epoch, pos = state["step"], state["epoch"], state["pos"]
             train_seconds = state["train_seconds"]
             history = state.get("history", [])
+            self._truncate_log(step)
             log.info("resumed from %s at step %d", found, step)
         else:  # a fresh run: the log and best weights of an older, discarded run would mislead
             self.log_path.unlink(missing_ok=True)
@@ -478,60 +490,62 @@ class HeadTrainer:
         head.train()
         t_last = time.perf_counter()
         consistent, saved_step = True, step  # consistent: weights, optimizer and (step, pos) agree
-        try:
-            while step < total and epoch < cfg.epochs:
-                plan = plans[epoch]
-                if pos >= len(plan):
-                    epoch, pos = epoch + 1, 0
-                    continue
-                t0 = time.perf_counter()
-                batch = self._batch(plan[pos])
-                for g in opt.param_groups:
-                    g["lr"] = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
-                with self._autocast():
-                    loss, stats = ttt_loss(head, batch, lm_rows, cfg.ttt_steps, cfg.step_decay)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-                consistent = False
-                opt.step()
-                step, pos = step + 1, pos + 1
-                consistent = True
-                train_seconds += time.perf_counter() - t0
-                seen = sum(r.length for r in plan[pos - 1])
-                tokens_this_run += seen
-                meter.add(stats, float(loss.detach()), seen)
-                s = meter.summary()
-                bar.set_postfix(loss=f"{s['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in s["step_acc"][:4]))
-                bar.update(1)
-                if step % cfg.log_every == 0 or step == total:
-                    now = time.perf_counter()
-                    rec = {"type": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
-                           "grad_norm": gnorm, **s, "tokens_per_s": meter.tokens / max(1e-9, now - t_last),
-                           "train_seconds": train_seconds}
-                    self._log(rec)
-                    meter.reset()
-                    t_last = time.perf_counter()
-                if self.val_refs and (step % cfg.val_every == 0 or step == total):
-                    v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
-                    history.append(v)
-                    self._log(v)
-                    self._keep_if_best(head, v, history)
-                    bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
-                              + " ".join(f"{a:.3f}" for a in v["step_acc"]) + f", chain tau {v.get('chain_tau', 0):.2f}"
-                              + f", T=1 step-0 acceptance {v.get('step0_sampled_acc', 0):.3f}")
-                    t_last = time.perf_counter()
-                if step % cfg.ckpt_every == 0 or step == total:
-                    consistent = False  # an interrupted save leaves the previous checkpoint (atomic swap)
+        with runs.interrupt_on_terminate():  # kill PID saves as Ctrl-C does
+            try:
+                while step < total and epoch < cfg.epochs:
+                    plan = plans[epoch]
+                    if pos >= len(plan):
+                        epoch, pos = epoch + 1, 0
+                        continue
+                    t0 = time.perf_counter()
+                    batch = self._batch(plan[pos])
+                    for g in opt.param_groups:
+                        g["lr"] = cfg.lr * lr_factor(step, total, warmup, cfg.min_lr_ratio)
+                    with self._autocast():
+                        loss, stats = ttt_loss(head, batch, lm_rows, cfg.ttt_steps, cfg.step_decay)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+                    consistent = False
+                    opt.step()
+                    step, pos = step + 1, pos + 1
+                    consistent = True
+                    train_seconds += time.perf_counter() - t0
+                    seen = sum(r.length for r in plan[pos - 1])
+                    tokens_this_run += seen
+                    meter.add(stats, float(loss.detach()), seen)
+                    s = meter.summary()
+                    bar.set_postfix(loss=f"{s['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in s["step_acc"][:4]))
+                    bar.update(1)
+                    if step % cfg.log_every == 0 or step == total:
+                        now = time.perf_counter()
+                        rec = {"type": "train", "step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"],
+                               "grad_norm": gnorm, **s, "tokens_per_s": meter.tokens / max(1e-9, now - t_last),
+                               "train_seconds": train_seconds}
+                        self._log(rec)
+                        meter.reset()
+                        t_last = time.perf_counter()
+                    if self.val_refs and (step % cfg.val_every == 0 or step == total):
+                        v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
+                        history.append(v)
+                        self._log(v)
+                        self._keep_if_best(head, v, history)
+                        bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
+                                  + " ".join(f"{a:.3f}" for a in v["step_acc"])
+                                  + f", chain tau {v.get('chain_tau', 0):.2f}"
+                                  + f", T=1 step-0 acceptance {v.get('step0_sampled_acc', 0):.3f}")
+                        t_last = time.perf_counter()
+                    if step % cfg.ckpt_every == 0 or step == total:
+                        consistent = False  # an interrupted save leaves the previous checkpoint (atomic swap)
+                        save_checkpoint(ckpt_dir, head, opt, state_dict(), cfg.ckpt_dtype)
+                        consistent, saved_step = True, step
+                        t_last = time.perf_counter()
+            except KeyboardInterrupt:
+                # Ctrl-C: keep the work done so far (a hard kill falls back to the last periodic checkpoint).
+                if consistent and step > saved_step:
                     save_checkpoint(ckpt_dir, head, opt, state_dict(), cfg.ckpt_dtype)
-                    consistent, saved_step = True, step
-                    t_last = time.perf_counter()
-        except KeyboardInterrupt:
-            # Ctrl-C: keep the work done so far (a hard kill falls back to the last periodic checkpoint).
-            if consistent and step > saved_step:
-                save_checkpoint(ckpt_dir, head, opt, state_dict(), cfg.ckpt_dtype)
-                bar.write(f"interrupted: checkpoint saved at step {step}; rerun with --resume to continue")
-            raise
+                    bar.write(f"interrupted: checkpoint saved at step {step}; rerun with --resume to continue")
+                raise
         bar.close()
         if found is not None and step >= total and not history and self.val_refs:
             history.append({"type": "val", "step": step, **self.validate(head, lm_rows)})

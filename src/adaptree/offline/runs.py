@@ -11,7 +11,10 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +29,30 @@ STATE_FILE, OPTIMIZER_FILE, RNG_FILE = "state.json", "optimizer.safetensors", "r
 
 
 # ---------------------------------------------------------------------------------------------- JSON
+
+
+@contextmanager
+def interrupt_on_terminate() -> Iterator[None]:
+    """Inside the block, SIGTERM (``kill PID``) raises KeyboardInterrupt as Ctrl-C does, and so does SIGINT where
+    the process was started with it ignored (``nohup cmd &`` from a script): a long job's Ctrl-C handler (save a
+    checkpoint) runs for those too. Main thread only (elsewhere the block changes nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old_term = signal.signal(signal.SIGTERM, raise_interrupt)
+    old_int = signal.getsignal(signal.SIGINT)
+    if old_int is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if old_int is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, old_int)
 
 
 def write_json(obj, path: str | os.PathLike, sort_keys: bool = False) -> None:
