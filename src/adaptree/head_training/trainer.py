@@ -396,12 +396,12 @@ class HeadTrainer:
         refs = self.val_refs if refs is None else refs
         steps = max(self.cfg.ttt_steps, self.cfg.val_steps)
         meter = _Meter(steps)
+        full_lm = self.target.lm_head.weight.detach().to(self.device).float()  # once, not per batch
         head.eval()
         for batch_refs in make_batches(refs, self.cfg.batch_tokens, None):
             batch = self._batch(batch_refs)
             with self._autocast():
-                loss, stats = ttt_loss(head, batch, lm_rows, steps, self.cfg.step_decay,
-                                       target_lm=self.target.lm_head.weight.detach().to(self.device))
+                loss, stats = ttt_loss(head, batch, lm_rows, steps, self.cfg.step_decay, target_lm=full_lm)
             meter.add(stats, float(loss), int(batch["input_ids"].numel()), chains=True)
         head.train()
         return meter.summary()

@@ -293,8 +293,8 @@ def sampled_acceptance(logits: torch.Tensor, target_draft: torch.Tensor, hidden:
     target's mass on the draft vocabulary. ``target_draft``: ``p`` restricted to the draft vocabulary and renormalised
     (``softmax(hidden @ target_lm_rows.T)``); the mass is ``exp(lse(hidden @ target_lm_rows.T) - lse(hidden @
     target_lm.T))``, the whole-vocabulary log-normaliser computed ``chunk`` rows at a time."""
-    w = target_lm.float()
-    mass = torch.cat([torch.exp(torch.logsumexp(h @ target_lm_rows.float().T, -1) - torch.logsumexp(h @ w.T, -1))
+    rows, w = target_lm_rows.float(), target_lm.float()  # no copies when the caller passes fp32 (validation does)
+    mass = torch.cat([torch.exp(torch.logsumexp(h @ rows.T, -1) - torch.logsumexp(h @ w.T, -1))
                       for h in hidden.split(chunk)]) if hidden.shape[0] else hidden.new_zeros(0)
     q = torch.softmax(logits, -1)
     acc = torch.minimum(target_draft * mass[:, None], q).sum(-1)
