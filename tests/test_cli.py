@@ -96,3 +96,40 @@ def test_method_options_keep_each_methods_defaults():
     assert method_options(args, "deagle") == {"depth": 5, "votes": ("survival", "expected"), "min_votes": 2}
     assert method_options(args, "resps") == {} and method_options(args, "hf_generate") == {}
     assert LTDConfig(**method_options(args, "ltd")).depth == 5
+
+
+def test_kill_pid_interrupts_a_command_as_ctrl_c_does(monkeypatch, capsys):
+    """SIGTERM inside any command becomes the KeyboardInterrupt its Ctrl-C handler saves on: exit 130."""
+    import os
+    import signal
+
+    import adaptree.cli as cli
+
+    seen = []
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        except KeyboardInterrupt:
+            seen.append("saved")  # where a long job writes its checkpoint
+            raise
+        return 0
+
+    def parser():
+        p = argparse.ArgumentParser(prog="adaptree")
+        p.set_defaults(func=command)
+        p.add_argument("-v", "--verbose", action="store_true")
+        return p
+
+    def outside(signum, frame):  # the handler outside the command: without the conversion the signal lands here
+        seen.append("outside")
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    old = signal.signal(signal.SIGTERM, outside)
+    try:
+        assert cli.main([]) == 130
+        assert seen == ["saved"]
+        assert "interrupted" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is outside  # restored after the command
+    finally:
+        signal.signal(signal.SIGTERM, old)

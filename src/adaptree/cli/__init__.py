@@ -34,13 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; bad input (a ValueError or a missing file) is one line on stderr and exit status 2."""
+    """Run one command; bad input (a ValueError or a missing file) is one line on stderr and exit status 2. ``kill
+    PID`` (SIGTERM) interrupts a command as Ctrl-C does, so every long job (corpus growth, trainers, benchmarks) keeps
+    what its Ctrl-C handler saves, also when started in the background (where SIGINT is ignored)."""
+    from adaptree.offline.runs import interrupt_on_terminate
+
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        with interrupt_on_terminate():
+            return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"adaptree: error: {exc}", file=sys.stderr)
         return 2
