@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 
 def _load(arg: str) -> tuple[str, dict]:
@@ -45,7 +46,10 @@ def point(label: str, s: dict) -> dict:
             "step0_sampled": v.get("step0_sampled_acc"), "coverage": v.get("coverage"),
             "selected": s["validation"].get("selected", {"by": "last"}), "draft_vocab": cfg["draft_vocab"],
             "ttt_steps": cfg["ttt_steps"], "epochs": cfg["epochs"], "lr": cfg["lr"],
-            "val_sequences": d["val_sequences"], "command": s.get("command")}
+            "val_sequences": d["val_sequences"], "command": s.get("command"),
+            "steps": s.get("throughput", {}).get("steps"),
+            "history": [{k: h[k] for k in ("step", "chain_tau") if k in h} | {"step0": h["step_acc"][0]}
+                        for h in s["validation"].get("history", []) if "step_acc" in h]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,17 +70,24 @@ def main(argv: list[str] | None = None) -> int:
                      f"{p['chain_tau']:.2f} | {opt(p['step0_sampled'])} | {opt(p['coverage'])} | "
                      f"{p['selected'].get('step', '?')} ({p['selected']['by']}) |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
-    xs = [p["train_response_tokens"] for p in pts]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    mega = FuncFormatter(lambda x, _: f"{x / 1e6:g}M")
     for a, key, name in ((ax[0], "step0", "held-out step-0 acceptance"), (ax[1], "chain_tau", "held-out chain tau")):
-        a.plot(xs, [p[key] for p in pts], "o-")
-        for p in pts:
-            a.annotate(p["label"], (p["train_response_tokens"], p[key]), fontsize=7, xytext=(3, 3),
-                       textcoords="offset points")
+        for i, p in enumerate(pts):
+            color = f"C{i % 10}"
+            a.plot([p["train_response_tokens"]], [p[key]], "o", color=color, label=p["label"])
+            h = p["history"]  # a one-epoch run's validations lie on the same axis: the response tokens seen so far
+            if p["epochs"] == 1 and len(h) > 1 and all(key in v for v in h):
+                seen = [v["step"] / p["steps"] * p["train_response_tokens"] for v in h]
+                a.plot(seen, [v[key] for v in h], "-", color=color, alpha=0.5, lw=1,
+                       label=f"{p['label']}: validations during the run")
         a.set_xscale("log")
+        a.xaxis.set_major_formatter(mega)
+        a.xaxis.set_minor_formatter(NullFormatter())
         a.set_xlabel("training response tokens")
         a.set_title(name, fontsize=10)
         a.grid(alpha=0.3)
+    ax[0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     print("\n".join(lines))

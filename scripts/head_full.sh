@@ -6,8 +6,10 @@
 #   bash scripts/head_full.sh     # on 2 cores: ~1.1 h per million response tokens and epoch (features + training)
 #
 # Stop it with Ctrl-C or `kill PID` (SIGTERM): either saves a checkpoint at the step reached.
-# Hand-over at the end of a session (the checkpoint is bfloat16: ~63 MB with the optimizer's moments):
-#   git add "$OUT" && git commit -m "head run: checkpoint at step N"
+# Hand-over at the end of a session (the checkpoint is bfloat16: ~63 MB with the optimizer's moments; the run
+# folder's .gitignore keeps checkpoints out of ordinary commits):
+#   git add -f "$OUT/ckpt" "$OUT/train_log.jsonl" && git commit -m "head run: checkpoint at step N"
+# The run finished on 2026-11-24 (docs/head-training.md, "The full run"): its last weights are the shipped head.
 # The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +21,10 @@ LR=${LR:-2e-3}
 TTT=${TTT:-3}                 # TTT 7 measured no better at 2.2x the time (docs/head-training.md, ablations)
 VOCAB=${VOCAB:-8192}
 THREADS=${THREADS:-2}
+SELECT=${SELECT:-last}         # export the last weights: they saw every token (chain tau 2.17 vs the best, 2.18 at step 1200)
 resume=()
 if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then resume=(--resume); fi
 adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \
   --ckpt-dtype bfloat16 --epochs "$EPOCHS" --lr "$LR" --ttt-steps "$TTT" --draft-vocab "$VOCAB" --max-len 1024 \
-  --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed 0 --threads "$THREADS" "${resume[@]}"
+  --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed 0 --threads "$THREADS" --select "$SELECT" "${resume[@]}"
 python scripts/head_curve.py "$OUT" --out "$OUT/curve"
