@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             color = f"C{i % 10}"
             a.plot([p["train_response_tokens"]], [p[key]], "o", color=color, label=p["label"])
             h = p["history"]  # a one-epoch run's validations lie on the same axis: the response tokens seen so far
-            if p["epochs"] == 1 and len(h) > 1 and all(key in v for v in h):
+            if p["epochs"] == 1 and p["steps"] and len(h) > 1 and all(key in v for v in h):
                 seen = [v["step"] / p["steps"] * p["train_response_tokens"] for v in h]
                 a.plot(seen, [v[key] for v in h], "-", color=color, alpha=0.5, lw=1,
                        label=f"{p['label']}: validations during the run")

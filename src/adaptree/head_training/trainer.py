@@ -40,6 +40,7 @@ from adaptree.head_training.corpus import (
     ConversationItem,
     CorpusStats,
     build_corpus,
+    _write_atomic,
     read_corpus,
     sharegpt_items,
 )
@@ -430,9 +431,7 @@ class HeadTrainer:
         lines = self.log_path.read_text(encoding="utf-8").splitlines()
         keep = [x for x in lines if x.strip() and json.loads(x).get("step", 0) <= step]
         if len(keep) != len(lines):
-            tmp = self.log_path.with_suffix(".tmp")
-            tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
-            tmp.replace(self.log_path)
+            _write_atomic(self.log_path, "".join(x + "\n" for x in keep))
 
     def _log(self, record: dict) -> None:
         with open(self.log_path, "a", encoding="utf-8") as f:
