@@ -11,7 +11,7 @@ import torch
 from conftest import PROMPTS
 
 TINY = dict(prompts=len(PROMPTS), max_new_tokens=16, max_depth=8, width=10, widths=(2, 4), sizes=(0, 1, 2, 4, 8),
-            lengths=(8, 24), repeats=1, validate_tokens=4,
+            lengths=(8, 24), repeats=1, validate_tokens=4, confirm_rounds=2, confirm_tokens=4,
             methods=("ar", "static", "static-gs", "costaware", "deagle", "ltd"))
 
 
@@ -61,8 +61,14 @@ def test_setup_is_made_once_and_cached(models, cache):
     ran = {m: r for m, r in setup.methods.items() if "skipped" not in r}
     assert {"ar", "static", "static-gs", "costaware", "deagle"} <= set(ran)
     assert setup.default_method != "static" and setup.default_method in ran
-    best = max((m for m in ran if m != "static"), key=lambda m: ran[m]["tokens_per_s"])
-    assert setup.default_method == best
+    # the default is the live check's choice among the best-modelled methods that model faster than AR (ar when
+    # none beats AR live): a modelled gain alone does not make a default
+    from adaptree.adapt.setup import contenders, pick_default
+
+    live = setup.confirmed.get("methods", {})
+    assert list(live) == contenders(ran, 2)
+    assert all(len(v["rounds"]) == 2 for v in live.values())
+    assert setup.default_method == pick_default({m: v["speedup"] for m, v in live.items()})
     assert 0.98 < ran["ar"]["speedup"] <= 1.0 and ran["ar"]["tau"] == 1.0  # AR over AR (its own policy time aside)
     # static-gs's tree is the best static one under this latency model (EAGLE-3's W10 D8 V60 is in the grid): it
     # models at least as fast (same simulator, same traces; the controllers' measured time aside)
@@ -153,3 +159,51 @@ def test_learned_methods_take_this_machines_latency_and_retrained_policies(model
     # an explicit policy still wins over the machine's
     ctl = p.controller("ltd", width=W, depth=6, depth_policy=str(cache / "elsewhere" / "depth"))
     assert ctl.config.depth_policy == str(cache / "elsewhere" / "depth")
+
+
+def test_pick_default_needs_a_live_gain():
+    from adaptree.adapt.setup import contenders, pick_default
+
+    assert pick_default({}) == "ar"
+    assert pick_default({"static-gs": 0.93, "ltd": 0.99}) == "ar"  # modelled faster, slower live: AR stays
+    assert pick_default({"static-gs": 1.04, "ltd": 1.12}) == "ltd"  # the live gain decides, not the model's rank
+    rows = {"ar": {"tokens_per_s": 10.0}, "static": {"tokens_per_s": 30.0}, "deagle": {"tokens_per_s": 9.0},
+            "ltd": {"tokens_per_s": 12.0}, "static-gs": {"tokens_per_s": 11.0}, "resps": {"skipped": "no policy"},
+            "radar": {"tokens_per_s": 10.5}}
+    assert contenders(rows, 2) == ["ltd", "static-gs"]  # never static (the papers' baseline), ar or a skipped one
+    assert contenders(rows, 5) == ["ltd", "static-gs", "radar"]  # only those modelled faster than AR
+
+
+def test_live_check_runs_the_contenders_against_ar(models, cache):
+    from adaptree.adapt import AdaptConfig
+    from adaptree.adapt.setup import confirm_default
+
+    p = _pipeline(models)
+    cfg = AdaptConfig(**{**TINY, "confirm_rounds": 3})
+    methods = {"ar": {"tokens_per_s": 10.0}, "deagle": {"tokens_per_s": 20.0}}  # deagle modelled 2x: run live
+    default, record = confirm_default(p, cfg, methods, PROMPTS[:2], {})
+    assert record["rounds"] == 3 and record["ar_tokens_per_s"] > 0 and set(record["methods"]) == {"deagle"}
+    rounds = record["methods"]["deagle"]["rounds"]
+    assert len(rounds) == 3 and all(r > 0 for r in rounds)
+    assert default == ("deagle" if sorted(rounds)[1] >= 1.0 else "ar")
+    # no check: the best modelled method, whatever it does live
+    assert confirm_default(p, AdaptConfig(**{**TINY, "confirm_rounds": 0}), methods, PROMPTS[:2], {}) == ("deagle", {})
+    # nothing modelled faster than AR: ar, without running anything
+    assert confirm_default(p, cfg, {"ar": {"tokens_per_s": 10.0}, "deagle": {"tokens_per_s": 9.0}}, PROMPTS[:2],
+                           {}) == ("ar", {})
+    with pytest.raises(ValueError, match="confirm_rounds must be >= 0, got -1"):
+        AdaptConfig(confirm_rounds=-1)
+
+
+def test_report_line_shows_the_live_check():
+    from adaptree.bench.report import machine_setup_lines
+
+    setup = {"static_tree": {"width": 10, "depth": 1, "size": 1}, "default_method": "ar", "created": "t",
+             "took_s": {"total": 60, "trace_prompts": 12},
+             "methods": {"ar": {"speedup": 1.0}, "static-gs": {"speedup": 1.05}, "ltd": {"skipped": "no policy"}},
+             "confirmed": {"rounds": 3, "methods": {"static-gs": {"speedup": 0.91, "rounds": [0.9, 0.91, 0.95]}}}}
+    (line,) = machine_setup_lines(setup)
+    assert "default method **ar**" in line and "static-gs 1.05x" in line and "ltd" not in line
+    assert "live check vs AR: static-gs 0.91x (median of 3 rounds" in line
+    (old,) = machine_setup_lines({k: v for k, v in setup.items() if k != "confirmed"})  # a version-1 summary.json
+    assert "live check" not in old

@@ -24,7 +24,8 @@ import torch
 
 from adaptree.core.engine import synchronize
 
-SETUP_VERSION = 1
+SETUP_VERSION = 2
+"""2: the default method is confirmed live against AR (:func:`confirm_default`); a version-1 setup is measured again."""
 ADAPT_ENV = "ADAPTREE_ADAPT"
 """``ADAPTREE_ADAPT=0`` turns the automatic adaptation of :func:`adaptree.load` off (a cached setup is still used)."""
 
@@ -115,11 +116,21 @@ class AdaptConfig:
     """Tokens of the two live generations (AR and a small tree) that measure the per-cycle overhead."""
     methods: tuple[str, ...] = CANDIDATES
     """Methods modelled on the traces (those that cannot run here are listed as skipped)."""
+    confirm_rounds: int = 3
+    """Interleaved rounds of the live check of the default (:func:`confirm_default`): a method becomes the default
+    only if it also beats AR live, median over rounds; 0 = no check (the best modelled method is the default)."""
+    confirm_tokens: int = 48
+    """Tokens per generation of the live check (two tuning prompts per round)."""
+    confirm_candidates: int = 2
+    """Best-modelled methods (each modelled faster than AR) the live check runs against AR."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens", "max_depth", "width", "repeats", "validate_tokens"):
+        for name in ("prompts", "max_new_tokens", "max_depth", "width", "repeats", "validate_tokens",
+                     "confirm_tokens", "confirm_candidates"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.confirm_rounds) < 0:
+            raise ValueError(f"confirm_rounds must be >= 0, got {self.confirm_rounds}")
         from adaptree.methods import method
 
         self.methods = tuple(self.methods)
@@ -136,7 +147,7 @@ class MachineSetup:
     folder: Path
     fingerprint: dict
     default_method: str
-    """The candidate with the highest modelled throughput on this machine."""
+    """The candidate the live check confirmed fastest (``ar`` when none beat AR live; see :attr:`confirmed`)."""
     static_tree: dict
     """``{"width", "depth", "size", "modelled_speedup"}``: the best static tree here (``static-gs``)."""
     methods: dict
@@ -147,6 +158,9 @@ class MachineSetup:
     traces: str | None = None
     """The trace folder the choice was made on."""
     created: str = ""
+    confirmed: dict = field(default_factory=dict)
+    """The live check of the default (:func:`confirm_default`): ``{"rounds", "tokens", "ar_tokens_per_s",
+    "methods": {name: {"speedup", "rounds": [...]}}}``; empty when it did not run."""
 
     @property
     def latency_path(self) -> Path:
@@ -196,6 +210,11 @@ class MachineSetup:
             mark = "  <- default" if name == self.default_method else ""
             lines.append(f"{name:<12} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x {row['tau']:>6.2f} "
                          f"{row['mean_depth']:>6.2f} {row['mean_size']:>6.1f}{mark}")
+        live = self.confirmed.get("methods", {})
+        if live:
+            lines.append("live check vs AR (median of " + str(self.confirmed.get("rounds")) + " interleaved rounds): "
+                         + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in live.items())
+                         + ("" if self.default_method != "ar" else "; none beats AR live, so the default is ar"))
         t = self.static_tree
         lines.append(f"static tree here: W{t['width']} D{t['depth']} V{t['size']} (modelled {t['modelled_speedup']:.2f}x"
                      f" AR); modelled on the greedy traces of {self.traces_prompts} prompts with this machine's "
@@ -389,18 +408,80 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
     tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup}
     write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",
                 "fingerprint": fp}, folder / "static_gs.json")
-    methods = _model_methods(pipeline, cfg, recorded, cal.model, machine_assets(folder, acc))
-    ranked = [m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT]
-    default = max(ranked, key=lambda m: methods[m]["tokens_per_s"])
+    assets = machine_assets(folder, acc)
+    methods = _model_methods(pipeline, cfg, recorded, cal.model, assets)
+    default, confirmed = confirm_default(pipeline, cfg, methods, val, assets, progress)
     t3 = time.perf_counter()
     setup = MachineSetup(folder, json.loads(json.dumps(fp)), default, tree, methods,
                          {"calibration": t1 - t0, "traces": t2 - t1, "choice": t3 - t2, "total": t3 - t0,
                           "trace_prompts": len(recorded)},
-                         str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"))
+                         str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed)
     write_json(setup.to_dict(), folder / "setup.json")
+    live = confirmed.get("methods", {}).get(default)
     message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
-            f"{methods[default]['speedup']:.2f}x AR), static tree W{best.width} D{best.depth} V{best.size}")
+            f"{methods[default]['speedup']:.2f}x AR" + (f", live {live['speedup']:.2f}x" if live else "")
+            + f"), static tree W{best.width} D{best.depth} V{best.size}")
     return setup
+
+
+def contenders(methods: dict, n: int) -> list[str]:
+    """The ``n`` best-modelled candidates for the default that model faster than AR, best first."""
+    ranked = sorted((m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT and m != "ar"),
+                    key=lambda m: -methods[m]["tokens_per_s"])
+    ar = methods.get("ar", {}).get("tokens_per_s", 0.0)
+    return [m for m in ranked if methods[m]["tokens_per_s"] > ar][:n]
+
+
+def pick_default(live: dict[str, float]) -> str:
+    """The method with the highest live speedup over AR among those at 1.0x or more; ``ar`` when none is."""
+    passed = {m: s for m, s in live.items() if s >= 1.0}
+    return max(passed, key=passed.get) if passed else "ar"
+
+
+def confirm_default(pipeline, cfg: AdaptConfig, methods: dict, prompts: Sequence[Sequence[int]],
+                    assets: dict[str, str], progress: bool = False) -> tuple[str, dict]:
+    """The default method, checked live: the simulator's latency model misses costs the live engine pays (the
+    drafter's per-step overhead, int4 dequantisation growing with the tree), so a method it models a few percent
+    faster than AR can be slower. The :func:`contenders` and AR generate ``prompts`` greedily, interleaved (the
+    order rotates each round, so machine drift hits them alike), ``cfg.confirm_rounds`` times; a method's speedup
+    is the median over rounds of its tokens/s over AR's in that round, and :func:`pick_default` chooses.
+
+    Returns (default, record for :attr:`MachineSetup.confirmed`)."""
+    from tqdm import tqdm
+
+    from adaptree.core.controller import AutoregressiveController
+    from adaptree.methods import make_controller
+
+    names = contenders(methods, cfg.confirm_candidates)
+    if cfg.confirm_rounds == 0 or not names:
+        best = max((m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT),
+                   key=lambda m: methods[m]["tokens_per_s"])
+        return (best if cfg.confirm_rounds == 0 else "ar"), {}
+    ctls = {"ar": AutoregressiveController()}
+    for m in names:
+        ctls[m] = make_controller(m, head_folder=pipeline.head_folder, model=pipeline.model_label,
+                                  tokenizer=pipeline.tokenizer, machine=assets)
+    engine = pipeline.engine
+    for ctl in ctls.values():  # warm-up: the first generation of a tree shape pays one-off allocations
+        engine.generate(list(prompts[0]), ctl, max_new_tokens=min(8, cfg.confirm_tokens))
+    order = list(ctls)
+    rate = {m: [] for m in order}
+    bar = tqdm(total=cfg.confirm_rounds * len(order), desc="live check", unit="method", disable=not progress)
+    for r in range(cfg.confirm_rounds):
+        for m in order[r % len(order):] + order[:r % len(order)]:
+            toks = secs = 0.0
+            for ids in prompts:
+                res = engine.generate(list(ids), ctls[m], max_new_tokens=cfg.confirm_tokens)
+                toks, secs = toks + res.new_tokens, secs + res.wall_time_s
+            rate[m].append(toks / secs if secs > 0 else 0.0)
+            bar.update(1)
+    bar.close()
+    ratios = {m: [a / b if b > 0 else 0.0 for a, b in zip(rate[m], rate["ar"])] for m in names}
+    live = {m: statistics.median(v) for m, v in ratios.items()}
+    record = {"rounds": cfg.confirm_rounds, "tokens": cfg.confirm_tokens, "prompts": len(prompts),
+              "ar_tokens_per_s": statistics.median(rate["ar"]),
+              "methods": {m: {"speedup": live[m], "rounds": ratios[m]} for m in names}}
+    return pick_default(live), record
 
 
 # ------------------------------------------------------------------------------------------------- dtype

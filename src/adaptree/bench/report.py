@@ -173,7 +173,16 @@ def machine_setup_lines(setup: dict | None) -> list[str]:
     modelled = ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in setup["methods"].items() if "skipped" not in v)
     return [f"- machine setup ({setup.get('created')}, {setup['took_s'].get('total', 0):.0f} s): default method "
             f"**{setup['default_method']}**, static tree here W{t['width']} D{t['depth']} V{t['size']}; modelled "
-            f"speedups on {setup['took_s'].get('trace_prompts', '?')} tuning prompts' traces: {modelled}"]
+            f"speedups on {setup['took_s'].get('trace_prompts', '?')} tuning prompts' traces: {modelled}"
+            + _live_check(setup.get("confirmed") or {})]
+
+
+def _live_check(confirmed: dict) -> str:
+    live = confirmed.get("methods") or {}
+    if not live:
+        return ""
+    return ("; live check vs AR: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in live.items())
+            + f" (median of {confirmed.get('rounds')} rounds; the default needs >= 1.00x)")
 
 
 def write_report(summary: dict, out: Path) -> None:

@@ -13,7 +13,7 @@ def _adapt_flags() -> ConfigFlags:
     from adaptree.adapt import AdaptConfig
 
     return ConfigFlags(AdaptConfig, positive=("prompts", "max_new_tokens", "max_depth", "width", "repeats",
-                                              "validate_tokens"))
+                                              "validate_tokens", "confirm_tokens", "confirm_candidates"))
 
 
 def register(sub) -> None:
