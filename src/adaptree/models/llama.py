@@ -306,6 +306,22 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs Dynamo keeps for :func:`call_layer` (its default 8 is raised to this by :meth:`Transformer.compile`)."""
+
+
+def _allow_recompiles() -> None:
+    """Every compiled :class:`Transformer` compiles the same function (:func:`call_layer`), so the graphs of every
+    model in the process (per dtype, weights, decode step and tree) share one code object's cache. Dynamo's default
+    limit of 8 graphs per code object sent further shapes silently back to eager when one process compiled three
+    models (``adaptree.load``'s execution choice: bf16, bf16+int4, fp32), which made compiling look slower than
+    eager for the third."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(int(cfg.recompile_limit), RECOMPILE_LIMIT)
+
+
 def call_layer(layer: DecoderLayer, x, cos, sin, kv_cache, start, mask):
     """One decoder layer; :meth:`Transformer.compile` compiles this function, so that the 30 layers of a model share
     one graph (their weights are its inputs): compiling the whole stack as one graph saved 4% more of a decode
@@ -407,6 +423,7 @@ class Transformer(nn.Module):
         self.compile_tokens = int(max_tokens)
         if self.compile_tokens and self._compiled is None:
             _use_inductor_cache()
+            _allow_recompiles()
             self._compiled = torch.compile(call_layer, dynamic=True)
         elif not self.compile_tokens:
             self._compiled = None
