@@ -12,6 +12,10 @@ R=${1:-runs/repro}
 FROM=${2:-1}
 HEADS=src/adaptree/heads/smollm2-135m
 LAT=$R/latency-bf16.json
+# the latency model RADAR's and Re-SpS's rewards use (default: this machine's). On a machine without native bf16 the
+# shipped policies were trained with the AVX-512 reference machine's instead (2026-11-24, an AVX2-only session):
+#   PLAT=docs/results/machines/profiles/avx512-2t-bfloat16/latency.json bash scripts/reproduce_default.sh runs/repro 4
+PLAT=${PLAT:-$LAT}
 mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE   # no spinning threads between forwards (the machine is shared)
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
@@ -49,13 +53,13 @@ fi
 if from 4; then
   step "4. RADAR: T=1 dataset of acceptance-length distributions, REINFORCE, export"
   adaptree radar dataset --limit 48 --max-new-tokens 192 --out "$R/radar-data"
-  adaptree train radar --data "$R/radar-data" --latency "$LAT" --measure-policy --out "$R/radar"
+  adaptree train radar --data "$R/radar-data" --latency "$PLAT" --measure-policy --out "$R/radar"
   rm -rf "$HEADS/radar" && cp -r "$R/radar/policy" "$HEADS/radar"
 fi
 
 if from 5; then
   step "5. Re-SpS: traces with every k, PPO on the simulator, export"
-  adaptree train resps --latency "$LAT" --train-chat 24 --max-new-tokens 128 --out "$R/resps"
+  adaptree train resps --latency "$PLAT" --train-chat 24 --max-new-tokens 128 --out "$R/resps"
   rm -rf "$HEADS/resps" && mkdir -p "$HEADS/resps" && cp "$R/resps/policy/"{config.json,model.safetensors} "$HEADS/resps/"
 fi
 
