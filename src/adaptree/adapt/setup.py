@@ -417,9 +417,9 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
                           "trace_prompts": len(recorded)},
                          str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed)
     write_json(setup.to_dict(), folder / "setup.json")
-    live = confirmed.get("methods", {}).get(default)
+    checked = ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in confirmed.get("methods", {}).items())
     message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
-            f"{methods[default]['speedup']:.2f}x AR" + (f", live {live['speedup']:.2f}x" if live else "")
+            f"{methods[default]['speedup']:.2f}x AR" + (f"; live vs AR: {checked}" if checked else "")
             + f"), static tree W{best.width} D{best.depth} V{best.size}")
     return setup
 
