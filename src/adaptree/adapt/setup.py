@@ -210,10 +210,9 @@ class MachineSetup:
             mark = "  <- default" if name == self.default_method else ""
             lines.append(f"{name:<12} {row['tokens_per_s']:>8.1f} {row['speedup']:>7.2f}x {row['tau']:>6.2f} "
                          f"{row['mean_depth']:>6.2f} {row['mean_size']:>6.1f}{mark}")
-        live = self.confirmed.get("methods", {})
-        if live:
-            lines.append("live check vs AR (median of " + str(self.confirmed.get("rounds")) + " interleaved rounds): "
-                         + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in live.items())
+        checked = live_speedups(self.confirmed)
+        if checked:
+            lines.append(f"live check vs AR (median of {self.confirmed.get('rounds')} interleaved rounds): {checked}"
                          + ("" if self.default_method != "ar" else "; none beats AR live, so the default is ar"))
         t = self.static_tree
         lines.append(f"static tree here: W{t['width']} D{t['depth']} V{t['size']} (modelled {t['modelled_speedup']:.2f}x"
@@ -417,19 +416,28 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
                           "trace_prompts": len(recorded)},
                          str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed)
     write_json(setup.to_dict(), folder / "setup.json")
-    checked = ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in confirmed.get("methods", {}).items())
+    checked = live_speedups(confirmed)
     message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
             f"{methods[default]['speedup']:.2f}x AR" + (f"; live vs AR: {checked}" if checked else "")
             + f"), static tree W{best.width} D{best.depth} V{best.size}")
     return setup
 
 
+def ranked(methods: dict) -> list[str]:
+    """The candidates for the default (modelled here, not in :data:`NOT_DEFAULT`), best modelled first."""
+    return sorted((m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT),
+                  key=lambda m: -methods[m]["tokens_per_s"])
+
+
 def contenders(methods: dict, n: int) -> list[str]:
     """The ``n`` best-modelled candidates for the default that model faster than AR, best first."""
-    ranked = sorted((m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT and m != "ar"),
-                    key=lambda m: -methods[m]["tokens_per_s"])
     ar = methods.get("ar", {}).get("tokens_per_s", 0.0)
-    return [m for m in ranked if methods[m]["tokens_per_s"] > ar][:n]
+    return [m for m in ranked(methods) if m != "ar" and methods[m]["tokens_per_s"] > ar][:n]
+
+
+def live_speedups(confirmed: dict) -> str:
+    """``"name 0.89x, ..."``: the live check's speedups (:attr:`MachineSetup.confirmed`); empty when it did not run."""
+    return ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in (confirmed.get("methods") or {}).items())
 
 
 def pick_default(live: dict[str, float]) -> str:
@@ -452,11 +460,11 @@ def confirm_default(pipeline, cfg: AdaptConfig, methods: dict, prompts: Sequence
     from adaptree.core.controller import AutoregressiveController
     from adaptree.methods import make_controller
 
+    if cfg.confirm_rounds == 0:
+        return ranked(methods)[0], {}
     names = contenders(methods, cfg.confirm_candidates)
-    if cfg.confirm_rounds == 0 or not names:
-        best = max((m for m, r in methods.items() if "skipped" not in r and m not in NOT_DEFAULT),
-                   key=lambda m: methods[m]["tokens_per_s"])
-        return (best if cfg.confirm_rounds == 0 else "ar"), {}
+    if not names:
+        return "ar", {}
     ctls = {"ar": AutoregressiveController()}
     for m in names:
         ctls[m] = make_controller(m, head_folder=pipeline.head_folder, model=pipeline.model_label,

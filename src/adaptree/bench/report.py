@@ -178,11 +178,12 @@ def machine_setup_lines(setup: dict | None) -> list[str]:
 
 
 def _live_check(confirmed: dict) -> str:
-    live = confirmed.get("methods") or {}
-    if not live:
+    if not confirmed.get("methods"):
         return ""
-    return ("; live check vs AR: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in live.items())
-            + f" (median of {confirmed.get('rounds')} rounds; the default needs >= 1.00x)")
+    from adaptree.adapt.setup import live_speedups
+
+    return (f"; live check vs AR: {live_speedups(confirmed)} (median of {confirmed.get('rounds')} rounds; the default "
+            "needs >= 1.00x)")
 
 
 def write_report(summary: dict, out: Path) -> None:
