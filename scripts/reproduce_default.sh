@@ -28,6 +28,8 @@ fi
 
 if from 2; then
   step "2. time-aware grid search of the static tree (static-gs)"
+  # (2026-11-25 on an AVX2-only CPU, where 60-node trees already run at 0.15x AR, the shipped file came from the grid
+  # cut at depth 8 and V 60: --depths 1,2,3,4,5,6,8 --sizes 2,4,6,10,20,40,60, 14 min)
   adaptree tune-static --out "$R/tune-static"
   cp "$R/tune-static/static_gs.json" "$HEADS/static_gs.json"
 fi
@@ -59,6 +61,8 @@ fi
 
 if from 5; then
   step "5. Re-SpS: traces with every k, PPO on the simulator, export"
+  # (2026-11-25 on an AVX2-only CPU the traces were recorded with --dtype float32 --compile off: acceptance hardly depends on the dtype
+  # and emulated bf16 makes the depth-8 trace trees hours slower; 9.7 min of traces + 269 s of PPO)
   adaptree train resps --latency "$PLAT" --train-chat 24 --max-new-tokens 128 --out "$R/resps"
   rm -rf "$HEADS/resps" && mkdir -p "$HEADS/resps" && cp "$R/resps/policy/"{config.json,model.safetensors} "$HEADS/resps/"
 fi
