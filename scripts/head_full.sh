@@ -11,6 +11,14 @@
 #   git add -f "$OUT/ckpt" "$OUT/train_log.jsonl" && git commit -m "head run: checkpoint at step N"
 # The run finished on 2026-11-24 (docs/head-training.md, "The full run"): its last weights are the shipped head.
 # The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.
+#
+# Issue 18's second pass (started 2026-11-25): the shipped head, one more epoch at half the learning rate, batches
+# in another order, validated before its first step too (the baseline in this machine's execution):
+#   OUT=training/smollm2-135m-head-ep2 INIT=src/adaptree/heads/smollm2-135m LR=1e-3 SEED=1 SELECT=chain_tau DTYPE=float32 \
+#     bash scripts/head_full.sh
+# DTYPE: the target's and the head's dtype in training; bfloat16 where the CPU has it natively (7.3 s per step on
+# AVX-512 with bf16), float32 where it is emulated (AVX2-only CPUs: 13 s per step, bfloat16 ~20x slower there).
+# A run may change DTYPE between machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-training/smollm2-135m-head}
@@ -22,9 +30,14 @@ TTT=${TTT:-3}                 # TTT 7 measured no better at 2.2x the time (docs/
 VOCAB=${VOCAB:-8192}
 THREADS=${THREADS:-2}
 SELECT=${SELECT:-last}         # export the last weights: they saw every token (chain tau 2.17 vs the best, 2.18 at step 1200)
+SEED=${SEED:-0}
+DTYPE=${DTYPE:-bfloat16}
+INIT=${INIT:-}                 # a head folder to start from (warm start), or empty: a fresh head
 resume=()
 if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then resume=(--resume); fi
+if [ -n "$INIT" ]; then resume+=(--init-head "$INIT"); fi
 adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \
   --ckpt-dtype bfloat16 --epochs "$EPOCHS" --lr "$LR" --ttt-steps "$TTT" --draft-vocab "$VOCAB" --max-len 1024 \
-  --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed 0 --threads "$THREADS" --select "$SELECT" "${resume[@]}"
+  --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed "$SEED" --threads "$THREADS" --select "$SELECT" \
+  --dtype "$DTYPE" --train-dtype "$DTYPE" "${resume[@]}"
 python scripts/head_curve.py "$OUT" --out "$OUT/curve"

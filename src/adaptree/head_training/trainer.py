@@ -62,11 +62,13 @@ SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["
 """How the exported weights are chosen among the validations (``TrainHeadConfig.select``)."""
 
 # Fields that define the training run (its data, batches and schedule): a resumed run must agree with its
-# checkpoint on them.
+# checkpoint on them. The dtypes are not among them: they say how a machine executes the run (bfloat16 where the
+# CPU has it natively, float32 where bfloat16 is emulated and ~20x slower), so a run handed from machine to
+# machine may change them.
 _RUN_FIELDS = ("source", "corpus", "corpus_chunks", "num_prompts", "val_prompts", "max_len", "max_new_tokens",
                "gen_temperature", "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio",
                "weight_decay", "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed",
-               "init_from_target", "train_dtype")
+               "init_from_target", "init_head")
 
 
 @dataclass
@@ -143,6 +145,10 @@ class TrainHeadConfig:
     target's final norm. Off by default: on SmolLM2-135M it starts from a huge loss (the target's logit
     scale on random directions) and was behind the random init after 150 steps (step-1 acceptance 0.107
     vs 0.162)."""
+    init_head: str | None = None
+    """Start from an exported head's weights (a folder in the released EAGLE-3 layout, e.g. the shipped
+    ``src/adaptree/heads/smollm2-135m``): a warm start with a fresh optimizer and schedule, such as a further
+    epoch at a lower learning rate. Its draft vocabulary is kept (``draft_vocab`` must equal its size)."""
     max_steps: int | None = None
     """Cap on optimizer steps (the schedule is fitted to the cap)."""
     val_every: int = 200
@@ -196,6 +202,8 @@ class TrainHeadConfig:
             raise ValueError(f"ckpt_dtype must be float32 or bfloat16, got {self.ckpt_dtype!r}")
         if self.select not in SELECT:
             raise ValueError(f"select must be one of {sorted(SELECT)}, got {self.select!r}")
+        if self.init_head is not None and self.init_from_target:
+            raise ValueError(f"init_head ({self.init_head!r}) and init_from_target are alternatives: pass one")
 
     def run_fields(self) -> dict:
         return runs.settings_of(self, only=_RUN_FIELDS)
@@ -363,8 +371,14 @@ class HeadTrainer:
         if cfg.draft_vocab > vocab:
             raise ValueError(f"--draft-vocab {cfg.draft_vocab} exceeds the target vocabulary ({vocab})")
         counts = self.store.token_counts(vocab, self.train_refs)
-        head = Eagle3Head.init_for_target(target, cfg.draft_vocab, counts.float(), seed=cfg.seed,
-                                          dtype=torch.float32, device=self.device)
+        if cfg.init_head is not None:
+            head = Eagle3Head.from_pretrained(cfg.init_head, target, dtype=torch.float32, device=self.device)
+            if head.config.draft_vocab_size != cfg.draft_vocab:
+                raise ValueError(f"--init-head {cfg.init_head} has a draft vocabulary of "
+                                 f"{head.config.draft_vocab_size}, not --draft-vocab {cfg.draft_vocab}")
+        else:
+            head = Eagle3Head.init_for_target(target, cfg.draft_vocab, counts.float(), seed=cfg.seed,
+                                              dtype=torch.float32, device=self.device)
         if cfg.init_from_target:
             with torch.no_grad():
                 head.lm_head.weight.copy_(target.lm_head.weight[head.t2d.to(target.device)].float())
@@ -478,6 +492,14 @@ class HeadTrainer:
         self.head = head
         lm_rows = self.target.lm_head.weight[head.t2d.to(self.target.device)].detach().to(self.device).float()
         lm_rows.requires_grad_(False)
+        if found is None and cfg.init_head is not None and self.val_refs:
+            # a warm start's baseline, in this machine's execution: the head it starts from is a candidate too
+            v = {"type": "val", "step": 0, **self.validate(head, lm_rows)}
+            history.append(v)
+            self._log(v)
+            self._keep_if_best(head, v, history)
+            log.info("the initial head (%s): step-0 acceptance %.3f, chain tau %.2f", cfg.init_head,
+                     v["step_acc"][0], v.get("chain_tau", 0.0))
 
         def state_dict() -> dict:
             return {"step": step, "epoch": epoch, "pos": pos, "train_seconds": train_seconds,
