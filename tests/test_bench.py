@@ -79,6 +79,18 @@ def test_bench_records_turns_summary_and_losslessness(tiny_pair, tmp_path):
     assert s["static"]["mean_chain"] == 0 and s["static"]["chain_accepted_per_cycle"] == 0
 
 
+def test_bench_rotates_the_arm_order_per_prompt(tiny_pair, tmp_path):
+    cfg, arms, sets, max_len = _setup(tiny_pair, tmp_path, warmup=False)
+    calls = []
+    logged = {m: (lambda m, a: lambda ids, *x: calls.append((m, tuple(ids))) or a(ids, *x))(m, a)
+              for m, a in arms.items()}
+    bench_loop(cfg, logged, _encode, _decode, sets, max_len)
+    first = {}
+    for m, ids in calls:  # each prompt's first turn: which arm ran it first
+        first.setdefault(ids[:ids.index(0) + 1], m)
+    assert list(first.values()) == ["ar", "static", "ar", "static"]  # the four prompts in order
+
+
 def test_bench_resumes_without_duplicates_or_losses(tiny_pair, tmp_path):
     cfg, arms, sets, max_len = _setup(tiny_pair, tmp_path)
     first = bench_loop(cfg, arms, _encode, _decode, [("toy", sets[0][1][:2])], max_len)  # "interrupted"
