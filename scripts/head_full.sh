@@ -8,7 +8,8 @@
 # Stop it with Ctrl-C or `kill PID` (SIGTERM): either saves a checkpoint at the step reached.
 # Hand-over at the end of a session (the checkpoint is bfloat16: ~63 MB with the optimizer's moments; the run
 # folder's .gitignore keeps checkpoints out of ordinary commits):
-#   git add -f "$OUT/ckpt" "$OUT/train_log.jsonl" && git commit -m "head run: checkpoint at step N"
+#   git add -f "$OUT/ckpt" "$OUT/best" "$OUT/train_log.jsonl" && git commit -m "head run: checkpoint at step N"
+# (best/: the weights --select would export so far; without it a resumed run cannot export an earlier validation)
 # The run finished on 2026-11-24 (docs/head-training.md, "The full run"): its last weights are the shipped head.
 # The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.
 #
