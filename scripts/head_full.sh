@@ -34,11 +34,11 @@ SELECT=${SELECT:-last}         # export the last weights: they saw every token (
 SEED=${SEED:-0}
 DTYPE=${DTYPE:-bfloat16}
 INIT=${INIT:-}                 # a head folder to start from (warm start), or empty: a fresh head
-resume=()
-if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then resume=(--resume); fi
-if [ -n "$INIT" ]; then resume+=(--init-head "$INIT"); fi
+extra=()
+if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then extra+=(--resume); fi
+if [ -n "$INIT" ]; then extra+=(--init-head "$INIT"); fi
 adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \
   --ckpt-dtype bfloat16 --epochs "$EPOCHS" --lr "$LR" --ttt-steps "$TTT" --draft-vocab "$VOCAB" --max-len 1024 \
   --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed "$SEED" --threads "$THREADS" --select "$SELECT" \
-  --dtype "$DTYPE" --train-dtype "$DTYPE" "${resume[@]}"
+  --dtype "$DTYPE" --train-dtype "$DTYPE" "${extra[@]}"
 python scripts/head_curve.py "$OUT" --out "$OUT/curve"

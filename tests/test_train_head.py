@@ -404,18 +404,21 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path):
     from safetensors.torch import load_file
 
     target, items, prompts, out, summary = tiny_run
-    run2 = tmp_path / "warm"
-    shutil.copytree(out / "corpus", run2 / "corpus")
-    shutil.copytree(out / "features", run2 / "features")
+    features = str(shutil.copytree(out / "features", tmp_path / "features"))  # every sequence is in it
+
+    def folder(name):  # a run folder with tiny_run's corpus: the data stages are reused, not redone
+        shutil.copytree(out / "corpus", tmp_path / name / "corpus")
+        return tmp_path / name
+
     run = lambda cfg: train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
-    warm = run(_tiny_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1))
+    run2 = folder("warm")
+    warm = run(_tiny_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1, features=features))
     exported = load_file(out / "head" / "model.safetensors")
     after = load_file(run2 / "ckpt" / "weights.safetensors")
     for k, v in exported.items():  # two steps at lr 1e-9: the exported weights, and its vocabulary
         torch.testing.assert_close(after[k].float(), v.float(), atol=1e-2, rtol=0) if v.is_floating_point() \
             else torch.testing.assert_close(after[k], v.to(after[k].dtype))
-    cold = run(_tiny_cfg(tmp_path / "cold", lr=1e-9, max_steps=2, corpus=None,
-                         features=str(run2 / "features")))
+    cold = run(_tiny_cfg(folder("cold"), lr=1e-9, max_steps=2, features=features))
     # the warm start validates like the trained head it started from (before its first step, and after two
     # steps at lr 1e-9), far above a fresh random head
     first = json.loads((run2 / "train_log.jsonl").read_text().splitlines()[0])
@@ -424,12 +427,11 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path):
     assert warm["validation"]["final"]["loss"] == pytest.approx(summary["validation"]["final"]["loss"], rel=0.02)
     assert warm["validation"]["final"]["loss"] < 0.9 * cold["validation"]["final"]["loss"]
     with pytest.raises(ValueError, match="draft vocabulary of 40, not --draft-vocab 32"):
-        run(_tiny_cfg(tmp_path / "other", init_head=str(out / "head"), draft_vocab=32,
-                      features=str(run2 / "features")))
+        run(_tiny_cfg(folder("other"), init_head=str(out / "head"), draft_vocab=32, features=features))
     with pytest.raises(ValueError, match="init_from_target"):
         _tiny_cfg(tmp_path / "both", init_head=str(out / "head"), init_from_target=True)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        run(_tiny_cfg(tmp_path / "missing", init_head=str(tmp_path / "nowhere"), features=str(run2 / "features")))
+        run(_tiny_cfg(folder("missing"), init_head=str(tmp_path / "nowhere"), features=features))
 
 
 def test_online_features_match_the_store_and_plan_the_same_batches(tmp_path):

@@ -321,9 +321,8 @@ def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], re
 
 def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int) -> list[dict]:
     """Run every (prompt, repeat) through every arm, interleaved per prompt in an order rotated from one
-    prompt to the next; append each record as it
-    finishes. ``encode(messages) -> ids`` renders a conversation; ``decode(ids) -> str`` gives an answer
-    back for the next turn. Returns the records of this configuration (old ones included on resume)."""
+    prompt to the next; append each record as it finishes. ``encode(messages) -> ids`` renders a
+    conversation; ``decode(ids) -> str`` gives an answer back for the next turn. Returns the records of this configuration (old ones included on resume)."""
     from adaptree.data.chat import conversation_turns
 
     out = Path(cfg.out)
@@ -346,8 +345,9 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
         for j, (ds, p, rep) in enumerate(jobs):
             # Rotate the arms' order per prompt: a run's speed depends a little on what ran just before it
             # (caches, allocator, clocks), up to ~10% between identical arms in a fixed order.
-            order = names[j % len(names):] + names[:j % len(names)]
-            for m, arm in ((m, arms[m]) for m in order):
+            for m in names[j % len(names):] + names[:j % len(names)]:
+                arm = arms[m]
+
                 def answer(messages, m=m, arm=arm, ds=ds, p=p, rep=rep):
                     turn = sum(1 for x in messages if x["role"] == "user") - 1
                     key = (ds, p.id, turn, m, rep)

@@ -492,12 +492,18 @@ class HeadTrainer:
         self.head = head
         lm_rows = self.target.lm_head.weight[head.t2d.to(self.target.device)].detach().to(self.device).float()
         lm_rows.requires_grad_(False)
-        if found is None and cfg.init_head is not None and self.val_refs:
-            # a warm start's baseline, in this machine's execution: the head it starts from is a candidate too
-            v = {"type": "val", "step": 0, **self.validate(head, lm_rows)}
+
+        def validation(at: int) -> dict:
+            """Validate at step ``at``: logged, kept in the history, saved to ``best/`` if it is the best."""
+            v = {"type": "val", "step": at, **self.validate(head, lm_rows)}
             history.append(v)
             self._log(v)
             self._keep_if_best(head, v, history)
+            return v
+
+        if found is None and cfg.init_head is not None and self.val_refs:
+            # a warm start's baseline, in this machine's execution: the head it starts from is a candidate too
+            v = validation(0)
             log.info("the initial head (%s): step-0 acceptance %.3f, chain tau %.2f", cfg.init_head,
                      v["step_acc"][0], v.get("chain_tau", 0.0))
 
@@ -547,10 +553,7 @@ class HeadTrainer:
                         meter.reset()
                         t_last = time.perf_counter()
                     if self.val_refs and (step % cfg.val_every == 0 or step == total):
-                        v = {"type": "val", "step": step, **self.validate(head, lm_rows)}
-                        history.append(v)
-                        self._log(v)
-                        self._keep_if_best(head, v, history)
+                        v = validation(step)
                         bar.write(f"step {step}: val loss {v['loss']:.3f}, acceptance per step "
                                   + " ".join(f"{a:.3f}" for a in v["step_acc"])
                                   + f", chain tau {v.get('chain_tau', 0):.2f}"
