@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -398,9 +399,10 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
         run()
 
 
-def test_warm_start_from_an_exported_head(tiny_run, tmp_path):
+def test_warm_start_from_an_exported_head(tiny_run, tmp_path, caplog):
     """--init-head: a further run starts from an exported head's weights and draft vocabulary (fresh optimizer
-    and schedule); a head of another draft vocabulary, or with --init-from-target too, is refused."""
+    and schedule); a head of another draft vocabulary, or with --init-from-target too, is refused; resumed without
+    its best/, the run warns that the export is not the selected weights."""
     from safetensors.torch import load_file
 
     target, items, prompts, out, summary = tiny_run
@@ -418,6 +420,15 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path):
     for k, v in exported.items():  # two steps at lr 1e-9: the exported weights, and its vocabulary
         torch.testing.assert_close(after[k].float(), v.float(), atol=1e-2, rtol=0) if v.is_floating_point() \
             else torch.testing.assert_close(after[k], v.to(after[k].dtype))
+    # a resumed run whose best/ did not come along with ckpt/ says so, in the log and in the summary
+    best_step = warm["validation"]["selected"]["step"]
+    shutil.rmtree(run2 / "best")
+    with caplog.at_level(logging.WARNING, logger="adaptree.head_training.trainer"):
+        again = run(_tiny_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1,
+                              features=features, resume=True))
+    assert f"best validation so far (step {best_step}," in caplog.text and "it is empty" in caplog.text
+    assert again["validation"]["selected"]["missing_best"]["step"] == best_step
+    assert "missing_best" not in warm["validation"]["selected"]
     cold = run(_tiny_cfg(folder("cold"), lr=1e-9, max_steps=2, features=features))
     # the warm start validates like the trained head it started from (before its first step, and after two
     # steps at lr 1e-9), far above a fresh random head

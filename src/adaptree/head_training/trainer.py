@@ -438,6 +438,23 @@ class HeadTrainer:
         found = runs.find_checkpoint(self.out / "best")
         return runs.checkpoint_state(found) if found is not None else None
 
+    def missing_best(self, history: list[dict]) -> dict | None:
+        """The best validation of ``history`` by ``cfg.select`` when ``out/best`` does not hold its weights (a run
+        resumed from a checkpoint copied without its ``best/``), else None; logged as a warning."""
+        metric = SELECT[self.cfg.select]
+        if metric is None or not history:
+            return None
+        want = max(history, key=metric)  # the first of equals, as _keep_if_best keeps it
+        have = self.best()
+        if have is not None and have["step"] == want["step"]:
+            return None
+        log.warning("--select %s: the best validation so far (step %d, %.4f) has no weights in %s (%s); the "
+                    "export falls back to %s. Copy best/ along with ckpt/ when a run moves between machines",
+                    self.cfg.select, want["step"], metric(want), self.out / "best",
+                    "it is empty" if have is None else f"it holds step {have['step']}",
+                    "the last weights" if have is None else f"step {have['step']}")
+        return {"step": want["step"], "value": metric(want)}
+
     def _truncate_log(self, step: int) -> None:
         """Drop the log's records past ``step`` (those of the steps after the checkpoint a resumed run redoes)."""
         if not self.log_path.is_file():
@@ -485,6 +502,7 @@ class HeadTrainer:
             history = state.get("history", [])
             self._truncate_log(step)
             log.info("resumed from %s at step %d", found, step)
+            self.missing_best(history)
         else:  # a fresh run: the log and best weights of an older, discarded run would mislead
             self.log_path.unlink(missing_ok=True)
             for stale in ("best", "best.old", "best.tmp"):
@@ -658,6 +676,9 @@ def train_head(cfg: TrainHeadConfig, target=None, tok=None, items: list[Conversa
     if best is not None:
         runs.load_checkpoint(runs.find_checkpoint(out / "best"), head)
         selected = {"by": cfg.select, "step": best["step"], "value": best["value"]}
+    missing = trainer.missing_best(result["history"])
+    if missing is not None:  # the summary says which weights the export is, and which it should have been
+        selected["missing_best"] = missing
     export = out / "head"
     head.save_pretrained(export, dtype=torch.bfloat16)
     walls["total"] = time.perf_counter() - t_all
