@@ -211,7 +211,8 @@ def collate(seqs: list[dict[str, torch.Tensor]], device: torch.device | str = "c
 
     Query positions ``q = 0..L-2``: ``feats = f[q]``, ``input_ids = x[q+1]``, target ``hidden`` and
     ``argmax`` at ``q+1``, and ``weight[q] = 1`` iff ``x[q+2]`` exists and is a response token (the target
-    distribution at ``q+1`` is one the head must match during generation)."""
+    distribution at ``q+1`` is one the head must match during generation). ``argmax`` only when every
+    sequence has it (online features compute it for validation sequences only)."""
     t = max(len(s["tokens"]) for s in seqs) - 1
     b = len(seqs)
     hdim = seqs[0]["hidden"].shape[-1]
@@ -219,6 +220,7 @@ def collate(seqs: list[dict[str, torch.Tensor]], device: torch.device | str = "c
     feats = torch.zeros(b, t, fdim, dtype=torch.bfloat16)
     hidden = torch.zeros(b, t, hdim, dtype=torch.bfloat16)
     ids = torch.zeros(b, t, dtype=torch.long)
+    with_argmax = all("argmax" in s for s in seqs)
     argmax = torch.zeros(b, t, dtype=torch.long)
     weight = torch.zeros(b, t, dtype=torch.bool)
     for i, s in enumerate(seqs):
@@ -228,9 +230,12 @@ def collate(seqs: list[dict[str, torch.Tensor]], device: torch.device | str = "c
         feats[i, :n] = s["feats"][:n]
         hidden[i, :n] = s["hidden"][1:]
         ids[i, :n] = s["tokens"][1:]
-        argmax[i, :n] = s["argmax"][1:]
+        if with_argmax:
+            argmax[i, :n] = s["argmax"][1:]
         weight[i, :n - 1] = s["loss_mask"][2:]
-    out = {"feats": feats, "hidden": hidden, "input_ids": ids, "argmax": argmax, "weight": weight}
+    out = {"feats": feats, "hidden": hidden, "input_ids": ids, "weight": weight}
+    if with_argmax:
+        out["argmax"] = argmax
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -243,7 +248,8 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     ``lm_head`` rows of the draft vocabulary in draft-id order), averaged over the response positions
     valid at step k. Per step the statistics hold the summed loss, the number of positions, and how many
     of them have ``draft argmax (as a target id) == target argmax over the full vocabulary`` (greedy
-    acceptance of that step given a correct prefix), plus ``[B, T]`` ``correct`` / ``valid`` masks for
+    acceptance of that step given a correct prefix; a batch without ``argmax``: the target's argmax over the
+    draft vocabulary, which the full one equals wherever the head can be right), plus ``[B, T]`` ``correct`` / ``valid`` masks for
     chain statistics.
 
     ``target_lm`` (the target's whole ``lm_head`` weight; validation): the statistics add, summed over step 0's
@@ -260,7 +266,7 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         # the target's distribution over the draft vocabulary, once, at every loss position, in fp32
         tgt_all = torch.softmax(batch["hidden"][weight].float() @ target_lm_rows.float().T, dim=-1)
-        am_all = batch["argmax"][weight]
+        am_all = batch["argmax"][weight] if "argmax" in batch else head.draft_to_target(tgt_all.argmax(-1))
         wpos = qpos.expand_as(weight)[weight]  # query position of each loss row
     total = torch.zeros((), device=weight.device)
     stats: dict[str, list] = {"loss_sum": [], "count": [], "correct": [], "correct_mask": [], "valid_mask": []}
