@@ -322,7 +322,8 @@ def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], re
 def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int) -> list[dict]:
     """Run every (prompt, repeat) through every arm, interleaved per prompt in an order rotated from one
     prompt to the next; append each record as it finishes. ``encode(messages) -> ids`` renders a
-    conversation; ``decode(ids) -> str`` gives an answer back for the next turn. Returns the records of this configuration (old ones included on resume)."""
+    conversation; ``decode(ids) -> str`` gives an answer back for the next turn. Returns the records of this
+    configuration (old ones included on resume)."""
     from adaptree.data.chat import conversation_turns
 
     out = Path(cfg.out)

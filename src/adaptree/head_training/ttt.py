@@ -249,8 +249,8 @@ def ttt_loss(head, batch: dict[str, torch.Tensor], target_lm_rows: torch.Tensor,
     valid at step k. Per step the statistics hold the summed loss, the number of positions, and how many
     of them have ``draft argmax (as a target id) == target argmax over the full vocabulary`` (greedy
     acceptance of that step given a correct prefix; a batch without ``argmax``: the target's argmax over the
-    draft vocabulary, which the full one equals wherever the head can be right), plus ``[B, T]`` ``correct`` / ``valid`` masks for
-    chain statistics.
+    draft vocabulary, which the full one equals wherever the head can be right), plus ``[B, T]`` ``correct`` /
+    ``valid`` masks for chain statistics.
 
     ``target_lm`` (the target's whole ``lm_head`` weight; validation): the statistics add, summed over step 0's
     rows, ``sampled`` = ``sum_x min(p(x), q(x))``, the probability that speculative sampling at temperature 1
