@@ -47,7 +47,7 @@ def point(label: str, s: dict) -> dict:
             "selected": s["validation"].get("selected", {"by": "last"}), "draft_vocab": cfg["draft_vocab"],
             "ttt_steps": cfg["ttt_steps"], "epochs": cfg["epochs"], "lr": cfg["lr"],
             "val_sequences": d["val_sequences"], "command": s.get("command"),
-            "steps": s.get("throughput", {}).get("steps"),
+            "steps": s.get("throughput", {}).get("steps"), "init_head": cfg.get("init_head"),
             "history": [{k: h[k] for k in ("step", "chain_tau") if k in h} | {"step0": h["step_acc"][0]}
                         for h in s["validation"].get("history", []) if "step_acc" in h]}
 
@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, p in enumerate(pts):
             color = f"C{i % 10}"
             a.plot([p["train_response_tokens"]], [p[key]], "o", color=color, label=p["label"])
-            h = p["history"]  # a one-epoch run's validations lie on the same axis: the response tokens seen so far
-            if p["epochs"] == 1 and p["steps"] and len(h) > 1 and all(key in v for v in h):
+            # a one-epoch run from scratch has its validations on the same axis: the response tokens seen so far
+            # (a warm start's are not: it began with another run's tokens behind it)
+            h = p["history"]
+            if p["epochs"] == 1 and not p["init_head"] and p["steps"] and len(h) > 1 and all(key in v for v in h):
                 seen = [v["step"] / p["steps"] * p["train_response_tokens"] for v in h]
                 a.plot(seen, [v[key] for v in h], "-", color=color, alpha=0.5, lw=1,
                        label=f"{p['label']}: validations during the run")
