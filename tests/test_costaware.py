@@ -255,9 +255,9 @@ def test_config_validation_names_the_bad_value(bad, match):
 
 
 def test_missing_or_absent_files_are_named(tmp_path, cal):
-    with pytest.raises(ValueError, match="latency model"):
+    with pytest.raises(ValueError, match="needs a latency model"):
         CostAwareController(CostAwareConfig(), calibration=cal)
-    with pytest.raises(ValueError, match="acceptance calibration"):
+    with pytest.raises(ValueError, match="needs an acceptance calibration"):
         CostAwareController(CostAwareConfig(), latency_model=CPU)
     missing = str(tmp_path / "nope.json")
     with pytest.raises(FileNotFoundError, match="nope.json"):

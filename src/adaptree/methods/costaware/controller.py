@@ -244,7 +244,8 @@ class CostAwareController(Controller):
 
 def _load(path: str | None, what: str, option: str, remedy: str, loader, method: str = "costaware"):
     if not path:
-        raise ValueError(f"method {method!r} needs a {what}: pass one to its controller or set the config's "
+        article = "an" if what[0] in "aeiou" else "a"
+        raise ValueError(f"method {method!r} needs {article} {what}: pass one to its controller or set the config's "
                          f"{option!r} (--{method}-{option} FILE); {remedy}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} {str(path)!r} ({method} {option!r}) does not exist; {remedy}")
