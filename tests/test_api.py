@@ -91,19 +91,21 @@ def test_bad_arguments_name_the_bad_value(pipe, tiny_folders):
         adaptree.load(tiny_folders[0], head=None, dtype="float32").generate("hi", method="static")
 
 
-@pytest.mark.parametrize("method, command, missing", [
-    ("ltd", "adaptree train ltd", "ltd/depth/config.json"),
-    ("ltd-size", "adaptree train ltd", "ltd/size/config.json"),
-    ("radar", "adaptree radar train", "radar/config.json"),
-    ("resps", "adaptree train resps", "resps/config.json"),
-    ("static-gs", "adaptree tune-static", "static_gs.json"),
+@pytest.mark.parametrize("method, what, command, missing", [
+    ("ltd", "needs an LTD depth policy", "adaptree train ltd", "ltd/depth/config.json"),
+    ("ltd-size", "needs an LTD size policy", "adaptree train ltd", "ltd/size/config.json"),
+    ("radar", "needs a RADAR policy", "adaptree radar train", "radar/config.json"),
+    ("resps", "needs a Re-SpS policy", "adaptree train resps", "resps/config.json"),
+    ("static-gs", "needs a tuned static tree", "adaptree tune-static", "static_gs.json"),
 ])
-def test_missing_assets_name_the_model_the_file_and_the_command(pipe, tiny_folders, method, command, missing, capsys):
+def test_missing_assets_name_the_model_the_file_and_the_command(pipe, tiny_folders, method, what, command, missing,
+                                                                capsys):
     model, head = tiny_folders
     with pytest.raises(MissingAssetError) as err:
         pipe.generate("hi", method=method)
     text = str(err.value)
     assert str(model) in text and str(head / missing) in text and command in text, text
+    assert f"method {method!r} {what} for" in text, text
     # the same on the command line: a clear error, exit code 2, no traceback
     from adaptree.cli import main
 

@@ -62,7 +62,7 @@ class Asset:
     path: str
     """Where it lives inside the head folder: a policy folder (with ``config.json``) or a file."""
     what: str
-    """What it is, for error messages."""
+    """What it is, with its article, for error messages ("an LTD depth policy")."""
     flag: str
     """The command-line flag that gives it explicitly."""
     command: str
@@ -118,18 +118,18 @@ _TRAIN_LTD = ("adaptree train ltd --model MODEL --draft HEAD --latency LATENCY.j
 
 
 def _ltd_asset(kind: str) -> Asset:
-    return Asset(f"{kind}_policy", f"ltd/{kind}", f"LTD {kind} policy", f"--ltd-{kind}-policy",
+    return Asset(f"{kind}_policy", f"ltd/{kind}", f"an LTD {kind} policy", f"--ltd-{kind}-policy",
                  _TRAIN_LTD.format(kind=kind))
 
 
 _LTD_ASSETS = {"ltd": (_ltd_asset("depth"), _ltd_asset("size")), "ltd-depth": (_ltd_asset("depth"),),
                "ltd-size": (_ltd_asset("size"),)}
-_RADAR_ASSET = Asset("policy", "radar", "RADAR policy", "--radar-policy",
+_RADAR_ASSET = Asset("policy", "radar", "a RADAR policy", "--radar-policy",
                      "adaptree radar dataset --model MODEL --draft HEAD --out DATA, then adaptree radar train --data "
                      "DATA --out RUN, then copy RUN/policy to HEAD/radar")
-_RESPS_ASSET = Asset("policy", "resps", "Re-SpS policy", "--resps-policy",
+_RESPS_ASSET = Asset("policy", "resps", "a Re-SpS policy", "--resps-policy",
                      "adaptree train resps --model MODEL --draft HEAD --out RUN, then copy RUN/policy to HEAD/resps")
-_TUNED_ASSET = Asset("tuned", "static_gs.json", "tuned static tree", "--tuned",
+_TUNED_ASSET = Asset("tuned", "static_gs.json", "a tuned static tree", "--tuned",
                      "adaptree tune-static --model MODEL --draft HEAD --out RUN, then copy RUN/static_gs.json to HEAD/")
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
@@ -185,14 +185,14 @@ def resolve_assets(name: str, options: dict[str, Any], head_folder: str | Path |
             continue
         label = model or "this model"
         if head_folder is None:
-            raise MissingAssetError(f"method {name!r} needs a {asset.what} and no draft head folder is in use to "
+            raise MissingAssetError(f"method {name!r} needs {asset.what} and no draft head folder is in use to "
                                     f"find it next to: pass {asset.flag} PATH")
         head = Path(head_folder)
         found = asset.find(head)
         if found is None:
             missing = head / asset.path / ("config.json" if not Path(asset.path).suffix else "")
             command = asset.command.replace("MODEL", model or "MODEL").replace("HEAD", str(head))
-            raise MissingAssetError(f"method {name!r} needs a {asset.what} for {label}, and {missing} does not exist."
+            raise MissingAssetError(f"method {name!r} needs {asset.what} for {label}, and {missing} does not exist."
                                     f" Make it with: {command} (or pass {asset.flag} PATH)")
         out[asset.option] = str(found)
     return out
