@@ -1,11 +1,12 @@
-"""A chain calibration fitted on a committed greedy self-distilled corpus instead of a machine setup's traces.
+"""A chain calibration fitted on a committed self-distilled corpus (greedy or sampled), not a machine setup's traces.
 
     python scripts/chain_from_corpus.py corpora/smollm2-135m-greedy --sequences 2000 --tokens 64 \
         --out runs/chaincal/corpus64.json
 
 The chain rates (how often a context match's continuation is what the target says next) depend on the target's
-greedy outputs only, so the corpus (the target's greedy answers to ShareGPT prompts) gives two orders of magnitude
-more samples than the 12 tuning prompts of a machine setup. The file records the corpus, not a model digest, so
+outputs only, so a corpus (the target's answers to ShareGPT prompts, greedy or sampled at the temperature its
+manifest records: the rates at that temperature) gives two orders of magnitude more samples than the 12 tuning
+prompts of a machine setup. The file records the corpus, not a model digest, so
 nothing checks it against the model in use. Use it with ``--hybrid-chain`` (or
 ``--ltd-chain`` ...) in ``adaptree simulate`` / ``bench``. Its result on the context sets is in
 docs/results/context-sim-2026-11-25/README.md (no gain: not shipped).
@@ -32,9 +33,9 @@ def main() -> None:
     args = ap.parse_args()
     corpus = ChunkedCorpus(args.corpus)
     settings = corpus.settings
-    if settings is None or settings.temperature != 0.0:
-        raise SystemExit(f"{args.corpus}: the chain rates need greedy generations (temperature 0), got "
-                         f"{None if settings is None else settings.temperature}")
+    if settings is None:
+        raise SystemExit(f"{args.corpus}: no generation settings in its manifest (greedy or sampled at which "
+                         f"temperature?)")
     seqs = corpus.read("train")[:args.sequences]
 
     def texts():
@@ -44,9 +45,10 @@ def main() -> None:
 
     t0 = time.perf_counter()
     cal = ChainCalibration.fit_texts(texts(), {"corpus": args.corpus}, max_ngram=args.max_ngram,
-                                     max_tokens=args.tokens)
+                                     max_tokens=args.tokens, temperature=settings.temperature)
     cal.save(args.out)
-    print(f"{len(seqs)} sequences, {cal.samples} roots with a match, {time.perf_counter() - t0:.0f} s -> {args.out}")
+    print(f"{len(seqs)} sequences at T={settings.temperature:g}, {cal.samples[0]} roots with a match, "
+          f"{time.perf_counter() - t0:.0f} s -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ def test_setup_is_made_once_and_cached(models, cache):
     fitted = chain.read_text()
     chain.unlink()
     assert find_setup(p).assets["chain"] == str(chain) and chain.read_text() == fitted
+    # with greedy and T=1 rates (sampled seeded: the same file again); a greedy-only one (an older setup's) gets them
+    from adaptree.methods.hybrid import ChainCalibration
+
+    cal = ChainCalibration.load(chain)
+    assert cal.temperatures.tolist() == [0.0, 1.0] and cal.trials[1].sum() > 0
+    ChainCalibration(cal.max_ngram, cal.edges, cal.rates[:1], cal.trials[:1], cal.samples[:1],
+                     cal.fingerprints).save(chain)
+    assert find_setup(p) is not None and chain.read_text() == fitted
 
 
 def test_any_fingerprint_change_invalidates(models, cache):

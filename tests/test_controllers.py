@@ -320,7 +320,7 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert (ca.config.width, ca.config.probe_every) == (4, 3) and ca.calibration.alpha == 0.6
     hy = built["hybrid"]
     assert (hy.config.width, hy.config.chain_tokens, hy.context_index().max_ngram) == (4, 9, 3)
-    assert hy.chain_cal.rates.shape == (2, 2) and built["ngram"].config.min_n == 1
+    assert hy.chain_cal.rates.shape == (1, 2, 2) and built["ngram"].config.min_n == 1
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--depth", "18", "--deagle-min-votes", "3"])
     assert build_controller(args, head=object()).config.depth == 18
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])

@@ -65,13 +65,13 @@ def test_chain_rates_are_the_counted_acceptances(traces):
                 if tok != y[j + 1 + i]:
                     break
                 hits[b, i] += 1
-    assert fit.trials.tolist() == trials.tolist() and trials.sum() > 50
-    np.testing.assert_allclose(fit.rates, np.divide(hits, trials, out=np.zeros_like(hits), where=trials > 0))
-    assert fit.samples > 0 and fit.fingerprints["model"]
+    assert fit.trials.tolist() == [trials.tolist()] and trials.sum() > 50 and fit.temperatures.tolist() == [0.0]
+    np.testing.assert_allclose(fit.rates_at(0.0), np.divide(hits, trials, out=np.zeros_like(hits), where=trials > 0))
+    assert fit.samples.tolist()[0] > 0 and fit.fingerprints["model"]
     # the same counts from plain token-id texts (a corpus), with the fingerprints given
     texts = ChainCalibration.fit_texts(((t.prompt.tolist(), t.output, t.end) for t in traces), {"model": "m"},
                                        max_ngram=3, max_tokens=6, edges=(1, 2, 4), smoothing=0.0)
-    assert texts.trials.tolist() == trials.tolist() and texts.samples == fit.samples
+    assert texts.trials.tolist() == [trials.tolist()] and texts.samples.tolist() == fit.samples.tolist()
     assert texts.fingerprints == {"model": "m"}
 
 
@@ -83,6 +83,50 @@ def test_probs_are_cumulative_products_per_bucket():
     assert cal.probs(None).size == 0 and cal.bucket(2) == 0 and cal.bucket(3) == 1
 
 
+def test_rates_are_interpolated_between_temperatures():
+    greedy = ChainCalibration(2, [1, 3], [[0.5, 0.5], [0.9, 0.8]], fingerprints={"model": "m"})
+    hot = ChainCalibration(2, [1, 3], [[0.1, 0.3], [0.5, 0.4]], fingerprints={"model": "m"}, temperatures=(1.0,))
+    both = ChainCalibration.combine([hot, greedy])  # sorted by temperature
+    assert both.temperatures.tolist() == [0.0, 1.0] and both.rates.shape == (2, 2, 2)
+    m = ContextMatch(length=4, count=1, position=0, tokens=(1, 2))
+    np.testing.assert_allclose(both.probs(m), [0.9, 0.72])
+    np.testing.assert_allclose(both.probs(m, temperature=1.0), [0.5, 0.2])
+    np.testing.assert_allclose(both.probs(m, temperature=0.5), [0.7, 0.7 * 0.6])  # halfway, rate by rate
+    np.testing.assert_allclose(both.probs(m, temperature=2.0), [0.5, 0.2])  # beyond: the nearest
+    np.testing.assert_allclose(greedy.probs(m, temperature=1.0), [0.9, 0.72])  # greedy rates only: those
+    half = both.at(0.5)  # one temperature's view
+    assert half.temperatures.tolist() == [0.5] and half.rates.shape == (1, 2, 2)
+    np.testing.assert_allclose(half.probs(m, temperature=0.5), both.probs(m, temperature=0.5))
+    np.testing.assert_allclose(half.probs(m, temperature=0.0), both.probs(m, temperature=0.5))
+    with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
+        both.probs(m, temperature=-1)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ChainCalibration.combine([greedy, greedy])
+    with pytest.raises(ValueError, match="different models"):
+        ChainCalibration.combine([greedy, ChainCalibration(2, [1, 3], [[0.1] * 2] * 2, fingerprints={"model": "x"},
+                                                           temperatures=(1.0,))])
+    with pytest.raises(ValueError, match="different shapes"):
+        ChainCalibration.combine([greedy, ChainCalibration(3, [1, 3], [[0.1] * 2] * 2, temperatures=(1.0,))])
+
+
+def test_sampled_rates_count_the_sampled_outputs(models):
+    """fit_sampled is fit_texts on the target's outputs sampled with the seeded generator (batched_generate's draws),
+    every prompt ``samples_per_prompt`` times."""
+    from adaptree.core.batched import batched_generate
+
+    target = models[0]
+    prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6]]
+    cal = ChainCalibration.fit_sampled(target, prompts, 1.0, 24, samples_per_prompt=2, seed=3, batch_size=4)
+    rows = [p for p in prompts for _ in range(2)]
+    outs = batched_generate(target, rows, 24, temperature=1.0, generator=torch.Generator().manual_seed(3),
+                            batch_size=4)
+    ref = ChainCalibration.fit_texts(((p, y, len(y)) for p, y in zip(rows, outs)), temperature=1.0)
+    assert cal.temperatures.tolist() == [1.0] and cal.trials.tolist() == ref.trials.tolist()
+    assert cal.trials.sum() > 0 and cal.fingerprints["model"]
+    with pytest.raises(ValueError, match="temperature > 0, got 0"):
+        ChainCalibration.fit_sampled(target, prompts, 0.0)
+
+
 def test_chain_file_round_trip_and_strict_loading(chain_cal, tmp_path):
     p = tmp_path / "chain.json"
     chain_cal.save(p)
@@ -90,9 +134,16 @@ def test_chain_file_round_trip_and_strict_loading(chain_cal, tmp_path):
     np.testing.assert_allclose(back.rates, chain_cal.rates, atol=1e-6)
     assert back.trials.tolist() == chain_cal.trials.tolist() and back.max_ngram == chain_cal.max_ngram
     d = json.loads(p.read_text())
+    v1 = {k: v for k, v in d.items() if k != "temperatures"}  # the format before temperatures: greedy rates
+    v1.update(version=1, rates=d["rates"][0], trials=d["trials"][0], samples=d["samples"][0])
+    p.write_text(json.dumps(v1))
+    old = ChainCalibration.load(p)
+    assert old.temperatures.tolist() == [0.0] and old.trials.tolist() == chain_cal.trials.tolist()
     for edit, match in [(lambda d: d.pop("rates"), "missing fields"), (lambda d: d.update(extra=1), "unknown"),
                         (lambda d: d.update(version=9), "version"), (lambda d: d.update(edges=[2, 3]), "edges"),
-                        (lambda d: d["rates"][0].__setitem__(0, 1.5), "probabilities")]:
+                        (lambda d: d["rates"][0][0].__setitem__(0, 1.5), "probabilities"),
+                        (lambda d: d.update(temperatures=[0.0, 1.0]), "rates must be"),
+                        (lambda d: d.update(version=1), "unknown fields")]:
         bad = json.loads(json.dumps(d))
         edit(bad)
         p.write_text(json.dumps(bad))
@@ -158,6 +209,44 @@ def test_a_sure_chain_is_verified_and_a_hopeless_one_is_not():
         assert ctl.choose_chain(None, plan, 0) == len(plan.chain)
 
 
+def test_the_chain_is_valued_at_the_cycles_temperature():
+    """A calibration sure of the chain greedy and hopeless at T=1: verified greedy, not at T=1, by the hybrid (in AR
+    mode: the chain alone) and by a learned method's chain rule."""
+    both = ChainCalibration.combine([SURE, ChainCalibration(4, [1], [[0.01] * 16], temperatures=(1.0,))])
+    toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]
+    for temperature, want in ((0.0, True), (1.0, False)):
+        ctx = context(toks)
+        ctx.temperature = temperature
+        ctl = hybrid(both)
+        ctl.reset()
+        ctl.ar_mode, ctl.interval = True, 100
+        assert (len(ctl.begin_cycle(ctx).chain) > 0) == want
+        rule = ChainRule(both, 16)
+        rule.latency = lat()
+        plan = AR_PLAN.with_chain(rule.begin(ctx))
+        assert (rule.choose(None, plan, 0) > 0) == want
+        assert rule.features()[0] == pytest.approx(0.95 if want else 0.01)
+
+
+def test_the_loop_tells_controllers_the_sampling_temperature(models):
+    from adaptree.core.controller import Controller
+    from adaptree.core.verify import SamplingConfig
+
+    seen = []
+
+    class Spy(Controller):
+        def begin_cycle(self, ctx):
+            seen.append(ctx.temperature)
+            return AR_PLAN
+
+    eng = Engine(*models)
+    for temperature in (0.0, 0.7):
+        seen.clear()
+        eng.generate(PROMPTS[0], Spy(), max_new_tokens=4,
+                     sampling=SamplingConfig(temperature=temperature))
+        assert seen and set(seen) == {temperature}
+
+
 def brute_joint(ctl, tree, chain, limit):
     """max over V and k of the value, building the selected set and walking the chain explicitly."""
     scores = tree.s.tolist()
@@ -217,7 +306,7 @@ def test_chain_rule_verifies_the_chain_tokens_worth_their_time(seed):
     plan = TreePlan(2, 2, 10, chain)
     assert rule.choose(None, plan, 0) == 10  # no latency model: the whole chain
     f = rule.features()
-    assert len(f) == len(MATCH_FEATURES) and all(0.0 <= x <= 1.0 for x in f) and f[0] == pytest.approx(cal.rates[0, 0])
+    assert len(f) == len(MATCH_FEATURES) and all(0.0 <= x <= 1.0 for x in f) and f[0] == pytest.approx(cal.rates[0, 0, 0])
     assert ChainRule(cal, 3).begin(context(toks)) and ChainRule(cal, 3).features() == [0.0, 0.0, 0.0]  # no begin yet
     short = ChainRule(cal, 3)
     short.begin(context(toks))

@@ -255,15 +255,16 @@ def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
     if setup.fingerprint != json.loads(json.dumps(fp)) or not setup.latency_path.is_file() \
             or not setup.static_gs_path.is_file():
         return None
-    _complete(setup)
+    _complete(setup, pipeline)
     return setup
 
 
-def _complete(setup: MachineSetup) -> None:
-    """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``: from
-    the setup's own traces, no model run, seconds)."""
+def _complete(setup: MachineSetup, pipeline) -> None:
+    """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``, with
+    its rates at :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
+    the sampled rates, outputs sampled from their prompts; well under a minute)."""
     acc = setup.acceptance_path
-    if acc is None or not acc.is_file() or acc.with_name("chain.json").is_file():
+    if acc is None or not acc.is_file() or _chain_complete(acc.with_name("chain.json")):
         return
     from adaptree.offline.traces import TraceStore
 
@@ -272,7 +273,18 @@ def _complete(setup: MachineSetup) -> None:
     except (OSError, ValueError):
         return  # the traces are gone: methods that need the file say so
     if traces:
-        _acceptance(acc.parent, traces)
+        _acceptance(acc.parent, traces, pipeline, say)
+
+
+def _chain_complete(path: Path) -> bool:
+    """``path`` is a chain calibration with greedy rates and rates at every sampled temperature."""
+    from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
+
+    try:
+        have = ChainCalibration.load(path).temperatures.tolist()
+    except (OSError, ValueError):
+        return False
+    return all(t in have for t in (0.0, *SAMPLED_TEMPERATURES))
 
 
 def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[int, int]:
@@ -315,17 +327,32 @@ def _traces(pipeline, cfg: AdaptConfig, folder: Path | None, prompt_ids, progres
     return Path(folder), [t for t in store.load_all() if t.key in keys]
 
 
-def _acceptance(folder: Path, traces) -> Path:
+def _acceptance(folder: Path, traces, pipeline, message: Callable[[str], None] | None = None) -> Path:
     """``costaware``'s acceptance calibration of the traces in ``folder`` and ``hybrid``'s chain calibration
-    (``chain.json``; fitted once, kept next to them)."""
+    (``chain.json``: greedy rates from the traces, combined with rates at each of
+    :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES` from outputs sampled from the traces' prompts;
+    fitted once, kept next to them)."""
     from adaptree.methods.costaware.acceptance import AcceptanceCalibration
-    from adaptree.methods.hybrid.chain import ChainCalibration
+    from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
     path = folder / "acceptance.json"
     if not path.is_file():
         AcceptanceCalibration.fit(traces).save(path)
-    if not (folder / "chain.json").is_file():
-        ChainCalibration.fit(traces).save(folder / "chain.json")
+    chain = folder / "chain.json"
+    if not _chain_complete(chain):
+        greedy = ChainCalibration.fit(traces)
+        prompts = [t.prompt.tolist() for t in traces]
+        new = max(t.end for t in traces)  # the traces' token limit, as near as they say
+        per = 4  # sampled outputs per prompt: a greedy output is one sample of a deterministic text, these vary
+        sampled = []
+        for temperature in SAMPLED_TEMPERATURES:
+            if message is not None:
+                message(f"chain calibration: sampling {len(prompts)} prompts x {per} at T={temperature:g} "
+                        f"({new} tokens)")
+            sampled.append(ChainCalibration.fit_sampled(
+                pipeline.target, prompts, temperature, new, pipeline.tokenizer.eos_token_ids, per,
+                max_ngram=greedy.max_ngram, max_tokens=greedy.max_tokens, edges=greedy.edges))
+        ChainCalibration.combine([greedy, *sampled]).save(chain)
     return path
 
 
@@ -399,7 +426,7 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
     tfolder, recorded = _traces(pipeline, cfg, Path(traces) if traces else None, tuning, progress)
     if not recorded:
         raise ValueError(f"no traces to model the methods on in {tfolder}")
-    acc = _acceptance(tfolder, recorded)
+    acc = _acceptance(tfolder, recorded, pipeline)
     t2 = time.perf_counter()
     width = recorded[0].widths[0] if cfg.width not in recorded[0].widths else cfg.width
     depth = min(cfg.max_depth, recorded[0].max_depth)

@@ -65,6 +65,9 @@ class CycleContext:
     index: ContextIndex | None = None
     """The prompt and the generated tokens (root last) as a :class:`~adaptree.core.context.ContextIndex`,
     for controllers that ask for one (:meth:`Controller.context_index`; None for the others)."""
+    temperature: float = 0.0
+    """The sampling temperature verification accepts with (0: greedy; replay is greedy): how often a drafted token
+    is accepted depends on it (a chain's calibrated rates: :class:`~adaptree.methods.hybrid.ChainCalibration`)."""
 
 
 AR_PLAN = TreePlan(1, 0, 0)

@@ -49,6 +49,8 @@ class CycleSource:
 
     max_len: int
     """Context limit (prompt + generated tokens)."""
+    temperature: float = 0.0
+    """The verification's sampling temperature (0: greedy), for :attr:`CycleContext.temperature`."""
     warn_clamp = False
     """True: log the first V clamped to the candidates of a full-depth tree (then set False: said once)."""
 
@@ -110,7 +112,7 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
         t0 = clock()
         if index is not None:  # the index's upkeep counts as the controller's time
             index.sync(prompt_ids, tokens)
-        ctx = CycleContext(rec.cycle, L, len(tokens), features, prompt_ids, tokens, index)
+        ctx = CycleContext(rec.cycle, L, len(tokens), features, prompt_ids, tokens, index, src.temperature)
         plan = ctl.begin_cycle(ctx)
         rec.policy_s += clock() - t0
         rec.width = plan.width

@@ -128,6 +128,7 @@ class _ModelSource(CycleSource):
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingConfig, use_draft: bool, dev: torch.device) -> int:
         """Run the prompt through the target (caches reset); return the first token (the first root)."""
         self.sampling, self.use_draft, self.dev = sampling, use_draft, dev
+        self.temperature = float(sampling.temperature)
         self.gen = None if sampling.greedy else sampling.generator(dev)
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
         out = self.target(prompt, cache=self.cache, features=use_draft, logits_at=slice(-1, None))

@@ -15,10 +15,18 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
   over all buckets for that ``t`` (a bucket seen rarely borrows the pooled rate). ``c_i = prod_{t < i}
   rates[b][t]``.
 
+* **Temperatures.** Under sampling, a chain token (a draft proposed with certainty) is accepted with the target's
+  probability of it, which is also the probability that the target *samples* it: the same count on the target's
+  outputs sampled at temperature ``T`` (:meth:`ChainCalibration.fit_sampled`) measures the rates at ``T``. They
+  are far below the greedy ones (the default model at T=1: the chain tokens' acceptance falls from 12-63% to
+  1-15% per token). One calibration holds rates at several temperatures (:meth:`ChainCalibration.combine`);
+  :meth:`~ChainCalibration.probs` interpolates linearly between them and takes the nearest beyond them.
+
 Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), loaded strictly: format ``version``,
-``max_ngram``, ``edges``, ``rates``, ``trials`` (per bucket and token: the counts behind each rate), ``samples``
-(positions with a match) and ``fingerprints`` (``model`` and ``head`` digests of the traces; the chain
-rates depend on the target's outputs only, the head is recorded for :meth:`check`).
+``max_ngram``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and token: the
+counts behind each rate), ``samples`` (per temperature: positions with a match) and ``fingerprints`` (``model`` and
+``head`` digests of the traces; the chain rates depend on the target's outputs only, the head is recorded for
+:meth:`check`). Version 1 files (greedy rates only, no ``temperatures``) still load, as temperature 0.
 
 :class:`ChainRule` puts a context chain into any other controller's cycles (the learned ones: LTD's
 ``chain_tokens``), and :data:`MATCH_FEATURES` are what their policies observe of the match.
@@ -37,61 +45,101 @@ from adaptree.core.context import ContextIndex, ContextMatch
 from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, context_matches
 
-FORMAT_VERSION = 1
-FIELDS = ("version", "max_ngram", "edges", "rates", "trials", "samples", "fingerprints")
+FORMAT_VERSION = 2
+FIELDS = ("version", "max_ngram", "edges", "temperatures", "rates", "trials", "samples", "fingerprints")
+FIELDS_V1 = tuple(f for f in FIELDS if f != "temperatures")
+SAMPLED_TEMPERATURES = (1.0,)
+"""The temperatures a machine setup measures the chain rates at besides greedy
+(:meth:`ChainCalibration.fit_sampled`)."""
 DEFAULT_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 """Match-length buckets: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-31, 32 and more tokens."""
 
 
 @dataclass(eq=False)
 class ChainCalibration:
-    """Per match-length bucket, the conditional acceptance rate of each chain token (module docstring)."""
+    """Per temperature and match-length bucket, the conditional acceptance rate of each chain token (module
+    docstring)."""
 
     max_ngram: int
     """Longest n-gram of the index the samples came from (the controller's index must use the same)."""
     edges: np.ndarray
     """``[B]`` strictly increasing lower bounds of the match-length buckets, the first 1."""
     rates: np.ndarray
-    """``[B, T]`` P(chain token t accepted | the tokens before it accepted), per bucket."""
+    """``[N, B, T]`` P(chain token t accepted | the tokens before it accepted), per temperature and bucket (a
+    ``[B, T]`` array: one temperature)."""
     trials: np.ndarray = None  # type: ignore[assignment]
-    """``[B, T]`` samples behind each rate (chains that reached token t)."""
-    samples: int = 0
-    """Root positions with a match."""
+    """``[N, B, T]`` samples behind each rate (chains that reached token t)."""
+    samples: np.ndarray = 0  # type: ignore[assignment]
+    """``[N]`` root positions with a match, per temperature."""
     fingerprints: dict[str, str] = field(default_factory=dict)
+    temperatures: np.ndarray = (0.0,)  # type: ignore[assignment]
+    """``[N]`` strictly increasing sampling temperatures the rates were measured at (0: greedy)."""
 
     def __post_init__(self) -> None:
         self.edges = np.asarray(self.edges, np.int64).reshape(-1)
-        self.rates = np.asarray(self.rates, np.float64)
-        self.trials = np.zeros_like(self.rates) if self.trials is None else np.asarray(self.trials, np.float64)
+        self.temperatures = np.asarray(self.temperatures, np.float64).reshape(-1)
+        r = np.asarray(self.rates, np.float64)
+        self.rates = r = r[None] if r.ndim == 2 else r
+        n = np.zeros_like(r) if self.trials is None else np.asarray(self.trials, np.float64)
+        self.trials = n[None] if n.ndim == 2 else n
+        self.samples = np.broadcast_to(np.asarray(self.samples, np.int64), self.temperatures.shape).copy()
         if self.max_ngram < 1 or int(self.max_ngram) != self.max_ngram:
             raise ValueError(f"max_ngram must be a positive integer, got {self.max_ngram!r}")
         self.max_ngram = int(self.max_ngram)
-        e, r = self.edges, self.rates
+        e, t = self.edges, self.temperatures
         if e.size < 1 or e[0] != 1 or (np.diff(e) <= 0).any():
             raise ValueError(f"edges must be strictly increasing match lengths starting at 1, got {e.tolist()}")
-        if r.ndim != 2 or r.shape[0] != e.size or r.shape[1] < 1:
-            raise ValueError(f"rates must be [buckets={e.size}, tokens >= 1], got shape {list(r.shape)}")
+        if t.size < 1 or not np.isfinite(t).all() or t[0] < 0 or (np.diff(t) <= 0).any():
+            raise ValueError(f"temperatures must be strictly increasing and >= 0, got {t.tolist()}")
+        if r.ndim != 3 or r.shape[:2] != (t.size, e.size) or r.shape[2] < 1:
+            raise ValueError(f"rates must be [temperatures={t.size}, buckets={e.size}, tokens >= 1], got shape "
+                             f"{list(r.shape)}")
         if not np.isfinite(r).all() or r.min() < 0.0 or r.max() > 1.0:
             raise ValueError("rates must be probabilities in [0, 1]")
         if self.trials.shape != r.shape or (self.trials < 0).any():
             raise ValueError(f"trials must be non-negative counts of the rates' shape {list(r.shape)}")
-        self.samples = int(self.samples)
         self.fingerprints = {str(k): str(v) for k, v in dict(self.fingerprints).items()}
 
     @property
     def max_tokens(self) -> int:
         """Longest chain the rates cover (a longer one is valued with the last token's rate)."""
-        return int(self.rates.shape[1])
+        return int(self.rates.shape[2])
 
     def bucket(self, length: int) -> int:
         return int(np.searchsorted(self.edges, int(length), side="right")) - 1
 
-    def probs(self, match: ContextMatch | None, k: int | None = None) -> np.ndarray:
-        """``[k]`` (default: the match's tokens) probabilities that the chain's first 1..k tokens are all accepted."""
+    def _between(self, temperature: float) -> tuple[int, int, float]:
+        """``(i, j, w)``: the values at ``temperature`` are ``(1 - w) * x[i] + w * x[j]`` of the measured ones."""
+        t = self.temperatures
+        temperature = float(temperature)
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        j = int(np.searchsorted(t, temperature, side="right"))  # t[j-1] <= temperature < t[j]
+        if j == 0 or j == t.size:
+            return (0, 0, 0.0) if j == 0 else (j - 1, j - 1, 0.0)
+        return j - 1, j, float((temperature - t[j - 1]) / (t[j] - t[j - 1]))
+
+    def rates_at(self, temperature: float = 0.0) -> np.ndarray:
+        """``[B, T]`` rates at ``temperature``: linear between the two nearest measured temperatures, the nearest
+        one's beyond them."""
+        i, j, w = self._between(temperature)
+        return (1.0 - w) * self.rates[i] + w * self.rates[j]
+
+    def at(self, temperature: float) -> ChainCalibration:
+        """This calibration at one temperature (rates and counts as :meth:`rates_at` weighs them): what a consumer
+        that always verifies at ``temperature`` reads (RADAR's training, on a dataset sampled at it)."""
+        i, j, w = self._between(temperature)
+        mix = lambda x: (1.0 - w) * x[i] + w * x[j]  # noqa: E731
+        return ChainCalibration(self.max_ngram, self.edges, mix(self.rates)[None], mix(self.trials)[None],
+                                [round(mix(self.samples))], self.fingerprints, (float(temperature),))
+
+    def probs(self, match: ContextMatch | None, k: int | None = None, temperature: float = 0.0) -> np.ndarray:
+        """``[k]`` (default: the match's tokens) probabilities that the chain's first 1..k tokens are all accepted,
+        verified at ``temperature`` (0: greedy)."""
         if match is None:
             return np.zeros(0)
         k = len(match.tokens) if k is None else min(int(k), len(match.tokens))
-        r = self.rates[self.bucket(match.length)]
+        r = self.rates_at(temperature)[self.bucket(match.length)]
         if k > r.size:
             r = np.concatenate([r, np.full(k - r.size, r[-1])])
         return np.cumprod(r[:k])
@@ -125,10 +173,11 @@ class ChainCalibration:
     @classmethod
     def fit_texts(cls, texts: Iterable[tuple[Sequence[int], Sequence[int], int]], fingerprints: Mapping[str, str]
                   | None = None, max_ngram: int = 4, max_tokens: int = 16, edges: Sequence[int] = DEFAULT_EDGES,
-                  smoothing: float = 4.0) -> ChainCalibration:
-        """Fit on ``(prompt, output, end)`` token-id texts: the target's greedy ``output`` after ``prompt``, roots at
-        its first ``end`` tokens (a self-distilled corpus: ``end = len(output)``). ``fingerprints``: at least the
-        target's ``model`` digest (:func:`~adaptree.offline.traces.model_fingerprint`), which :meth:`check` compares."""
+                  smoothing: float = 4.0, temperature: float = 0.0) -> ChainCalibration:
+        """Fit on ``(prompt, output, end)`` token-id texts: the target's ``output`` after ``prompt`` (greedy, or sampled
+        at ``temperature``), roots at its first ``end`` tokens (a self-distilled corpus: ``end = len(output)``).
+        ``fingerprints``: at least the target's ``model`` digest (:func:`~adaptree.offline.traces.model_fingerprint`),
+        which :meth:`check` compares."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if smoothing < 0:
@@ -154,7 +203,49 @@ class ChainCalibration:
         pooled = np.divide(hits.sum(0), trials.sum(0), out=np.zeros(max_tokens), where=trials.sum(0) > 0)
         rates = (hits + smoothing * pooled) / np.maximum(trials + smoothing, 1e-12)
         rates[(trials + smoothing) == 0] = 0.0
-        return cls(max_ngram, edges_a, np.clip(rates, 0.0, 1.0), trials, samples, dict(fingerprints or {}))
+        return cls(max_ngram, edges_a, np.clip(rates, 0.0, 1.0), trials, samples, dict(fingerprints or {}),
+                   (float(temperature),))
+
+    @classmethod
+    def fit_sampled(cls, target, prompts: Sequence[Sequence[int]], temperature: float = 1.0,
+                    max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), samples_per_prompt: int = 4,
+                    seed: int = 0, batch_size: int = 16, max_ngram: int = 4, max_tokens: int = 16,
+                    edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0) -> ChainCalibration:
+        """The rates at ``temperature`` > 0: ``samples_per_prompt`` outputs of ``target`` sampled at ``temperature``
+        (seeded) for each prompt, counted as :meth:`fit_texts` counts greedy ones (module docstring)."""
+        from adaptree.core.batched import batched_generate
+        from adaptree.offline.store import model_fingerprint
+
+        if not temperature > 0:
+            raise ValueError(f"fit_sampled needs a temperature > 0, got {temperature} (greedy rates: fit)")
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+        rows = [list(p) for p in prompts for _ in range(samples_per_prompt)]
+        gen = torch.Generator(device=target.device).manual_seed(int(seed))
+        outs = batched_generate(target, rows, max_new_tokens, eos_token_ids, temperature=temperature,
+                                generator=gen, batch_size=batch_size)
+        return cls.fit_texts(((p, y, len(y)) for p, y in zip(rows, outs)), {"model": model_fingerprint(target)},
+                             max_ngram, max_tokens, edges, smoothing, temperature)
+
+    @classmethod
+    def combine(cls, calibrations: Sequence[ChainCalibration]) -> ChainCalibration:
+        """One calibration with the rates of all of ``calibrations`` (the same model, n-grams, buckets and chain
+        length; distinct temperatures), sorted by temperature."""
+        cals = sorted(calibrations, key=lambda c: float(c.temperatures[0]))
+        if not cals:
+            raise ValueError("combine needs at least one chain calibration")
+        a = cals[0]
+        for c in cals[1:]:
+            if (c.max_ngram, c.edges.tolist(), c.max_tokens) != (a.max_ngram, a.edges.tolist(), a.max_tokens):
+                raise ValueError(f"chain calibrations of different shapes cannot be combined: max_ngram, edges, "
+                                 f"tokens {c.max_ngram}, {c.edges.tolist()}, {c.max_tokens} vs {a.max_ngram}, "
+                                 f"{a.edges.tolist()}, {a.max_tokens}")
+            if c.check(a.fingerprints):
+                raise ValueError("chain calibrations of different models cannot be combined")
+        fps = {k: v for c in reversed(cals) for k, v in c.fingerprints.items()}
+        return cls(a.max_ngram, a.edges, np.concatenate([c.rates for c in cals]),
+                   np.concatenate([c.trials for c in cals]), np.concatenate([c.samples for c in cals]), fps,
+                   np.concatenate([c.temperatures for c in cals]))
 
     def check(self, fingerprints: Mapping[str, str]) -> list[str]:
         """A message when ``fingerprints``' model differs from the one the rates were measured on."""
@@ -168,20 +259,26 @@ class ChainCalibration:
 
     def to_dict(self) -> dict:
         return {"version": FORMAT_VERSION, "max_ngram": self.max_ngram, "edges": self.edges.tolist(),
-                "rates": [[round(float(x), 6) for x in row] for row in self.rates],
-                "trials": [[int(x) for x in row] for row in self.trials], "samples": self.samples,
-                "fingerprints": dict(self.fingerprints)}
+                "temperatures": self.temperatures.tolist(),
+                "rates": [[[round(float(x), 6) for x in row] for row in rt] for rt in self.rates],
+                "trials": [[[int(x) for x in row] for row in nt] for nt in self.trials],
+                "samples": self.samples.tolist(), "fingerprints": dict(self.fingerprints)}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ChainCalibration:
         if not isinstance(d, Mapping):
             raise ValueError(f"a chain calibration must be a JSON object, got {type(d).__name__}")
-        unknown, missing = sorted(set(d) - set(FIELDS)), [k for k in FIELDS if k not in d]
+        version = d.get("version")
+        if version not in (1, FORMAT_VERSION):
+            raise ValueError(f"chain calibration format version {version!r}, this adaptree reads 1 and "
+                             f"{FORMAT_VERSION}")
+        fields = FIELDS if version == FORMAT_VERSION else FIELDS_V1
+        unknown, missing = sorted(set(d) - set(fields)), [k for k in fields if k not in d]
         if unknown or missing:
-            raise ValueError(f"bad chain calibration: unknown fields {unknown}, missing fields {missing}")
-        if d["version"] != FORMAT_VERSION:
-            raise ValueError(f"chain calibration format version {d['version']!r}, this adaptree reads {FORMAT_VERSION}")
-        return cls(d["max_ngram"], d["edges"], d["rates"], d["trials"], d["samples"], d["fingerprints"])
+            raise ValueError(f"bad chain calibration (version {version}): unknown fields {unknown}, missing fields "
+                             f"{missing}")
+        return cls(d["max_ngram"], d["edges"], d["rates"], d["trials"], d["samples"], d["fingerprints"],
+                   d.get("temperatures", (0.0,)))
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(self.to_dict(), path)
@@ -253,9 +350,10 @@ class ChainRule:
       long) is the plan's chain; :meth:`features` describe it (:data:`MATCH_FEATURES`).
     * :meth:`choose` (``choose_chain``): with a latency model, the chain length ``k`` that maximises
       ``C(max(k, s)) - C(s) - (verify(V + max(0, k - s)) - verify(V)) / ar_step``, ``C`` the calibrated expected
-      accepted chain tokens (:meth:`ChainCalibration.probs`), ``s`` the chain's first tokens already among the head's
-      top-V nodes: a chain token is verified when its acceptance is worth its verification time at the autoregressive
-      rate (the least a drafting controller earns). Without a latency model, the whole chain.
+      accepted chain tokens at the cycle's temperature (:meth:`ChainCalibration.probs`), ``s`` the chain's first
+      tokens already among the head's top-V nodes: a chain token is verified when its acceptance is worth its
+      verification time at the autoregressive rate (the least a drafting controller earns). Without a latency model,
+      the whole chain.
 
     Decisions depend on the context and the modelled costs only: replay makes the live engine's decisions.
     """
@@ -287,9 +385,9 @@ class ChainRule:
     def index(self) -> ContextIndex:
         return ContextIndex(max_ngram=self.cal.max_ngram)
 
-    def begin_match(self, match: ContextMatch | None, context_len: int) -> tuple[int, ...]:
-        self.match, self.context_len = match, int(context_len)
-        self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match))])  # C(k), k = 0..K
+    def begin_match(self, match: ContextMatch | None, context_len: int, temperature: float = 0.0) -> tuple[int, ...]:
+        self.match, self.context_len, self.temperature = match, int(context_len), float(temperature)
+        self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match, temperature=temperature))])  # C(k)
         return match.tokens if match is not None else ()
 
     def begin(self, ctx) -> tuple[int, ...]:
@@ -298,14 +396,15 @@ class ChainRule:
         if ctx.index is None:
             raise ValueError("the chain rule needs the loop's context index: return ChainRule.index() from the "
                              "controller's context_index()")
-        return self.begin_match(ctx.index.match(self.tokens, 1), ctx.context_len)
+        return self.begin_match(ctx.index.match(self.tokens, 1), ctx.context_len, ctx.temperature)
 
     def features(self) -> list[float]:
         """:data:`MATCH_FEATURES` of the cycle's match."""
         m = self.match
         if m is None:
             return [0.0, 0.0, 0.0]
-        c = self.cal.probs(ContextMatch(m.length, m.count, m.position, (0,) * MATCH_LENGTH_SCALE))  # chain-length free
+        c = self.cal.probs(ContextMatch(m.length, m.count, m.position, (0,) * MATCH_LENGTH_SCALE),  # chain-length free
+                           temperature=self.temperature)
         return [float(c[0]), float(c.mean()), min(m.length, MATCH_LENGTH_SCALE) / MATCH_LENGTH_SCALE]
 
     def choose(self, tree, plan, size: int) -> int:
@@ -326,5 +425,5 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "check_chain_tokens", "match_values",
-           "shared_ranks"]
+__all__ = ["ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "SAMPLED_TEMPERATURES",
+           "check_chain_tokens", "match_values", "shared_ranks"]

@@ -8,7 +8,7 @@ head tree's depth and V, how many tokens of the context's longest earlier match
 (at most one path is accepted, so ``E[emitted] = 1 + sum over verified nodes of P(node accepted)``, whatever
 the tree). Head candidate ``i``: ``p_i`` from the acceptance calibration of its path score, as in costaware.
 Chain token ``t``: ``c_t`` = P(the chain's first ``t`` tokens accepted), from the :class:`~.chain.ChainCalibration`
-of the match's length. A chain's first ``s`` tokens may already be head candidates (the same tokens down the
+of the match's length at the cycle's sampling temperature. A chain's first ``s`` tokens may already be head candidates (the same tokens down the
 same path): in the tree they are one node each, valued and paid once, as head nodes.
 
 **Decisions.** ``lambda`` = the running throughput estimate (costaware's), ``verify(n)`` = this machine's
@@ -51,7 +51,8 @@ class HybridConfig(CostAwareConfig):
     """Cost-aware head tree plus a context chain, both sized per cycle (training-free)."""
 
     chain: str | None = None
-    """Chain calibration JSON of this model (ChainCalibration.fit on greedy traces; the machine setup makes one)."""
+    """Chain calibration JSON of this model (ChainCalibration.fit on greedy traces, combined with fit_sampled's rates at
+    T=1; the machine setup makes one)."""
     chain_tokens: int = 16
     """Longest context chain proposed per cycle."""
     max_n: int = 4
@@ -96,7 +97,7 @@ class HybridController(CostAwareController):
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         plan = super().begin_cycle(ctx)
         m = ctx.index.match(self.config.chain_tokens, 1)
-        self.chain_p = self.chain_cal.probs(m)
+        self.chain_p = self.chain_cal.probs(m, temperature=ctx.temperature)
         self.gain_c = np.concatenate([[0.0], np.cumsum(self.chain_p)])  # C(k), k = 0..K
         if m is None:
             self.k_star = 0

@@ -494,7 +494,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
         if not st.chain_tokens:
             raise ValueError(f"{cfg.data} was recorded without context chains: record it with --chain-tokens K to "
                              "train a policy that observes the match")
-        calibration = ChainCalibration.load(cfg.chain)
+        calibration = ChainCalibration.load(cfg.chain).at(st.temperature)  # the rates the dataset was sampled at
         if calibration.max_ngram != st.max_ngram:
             raise ValueError(f"the chain calibration matches n-grams of up to {calibration.max_ngram} tokens, the "
                              f"dataset's index up to {st.max_ngram}")
