@@ -142,7 +142,8 @@ def test_chain_file_round_trip_and_strict_loading(chain_cal, tmp_path):
     for edit, match in [(lambda d: d.pop("rates"), "missing fields"), (lambda d: d.update(extra=1), "unknown"),
                         (lambda d: d.update(version=9), "version"), (lambda d: d.update(edges=[2, 3]), "edges"),
                         (lambda d: d["rates"][0][0].__setitem__(0, 1.5), "probabilities"),
-                        (lambda d: d.update(temperatures=[0.0, 1.0]), "rates must be"),
+                        (lambda d: d.update(temperatures=[0.0, 1.0]), "samples must be one count per"),
+                        (lambda d: d.update(temperatures=[0.0, 1.0], samples=[1, 2]), "rates must be"),
                         (lambda d: d.update(version=1), "unknown fields")]:
         bad = json.loads(json.dumps(d))
         edit(bad)
