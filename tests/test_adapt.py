@@ -12,7 +12,7 @@ from conftest import PROMPTS
 
 TINY = dict(prompts=len(PROMPTS), max_new_tokens=16, max_depth=8, width=10, widths=(2, 4), sizes=(0, 1, 2, 4, 8),
             lengths=(8, 24), repeats=1, validate_tokens=4, confirm_rounds=2, confirm_tokens=4,
-            methods=("ar", "static", "static-gs", "costaware", "deagle", "ltd"))
+            methods=("ar", "static", "static-gs", "costaware", "deagle", "ltd", "ngram", "hybrid"))
 
 
 class Tok:  # what a Pipeline needs of a TokenizerBundle for token-id prompts
@@ -59,7 +59,7 @@ def test_setup_is_made_once_and_cached(models, cache):
     assert set(setup.methods) == set(TINY["methods"])
     assert "skipped" in setup.methods["ltd"] and "ltd" in setup.methods["ltd"]["skipped"].lower()
     ran = {m: r for m, r in setup.methods.items() if "skipped" not in r}
-    assert {"ar", "static", "static-gs", "costaware", "deagle"} <= set(ran)
+    assert {"ar", "static", "static-gs", "costaware", "deagle", "ngram", "hybrid"} <= set(ran)
     assert setup.default_method != "static" and setup.default_method in ran
     # the default is the live check's choice among the best-modelled methods that model faster than AR (ar when
     # none beats AR live): a modelled gain alone does not make a default

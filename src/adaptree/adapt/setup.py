@@ -24,12 +24,13 @@ import torch
 
 from adaptree.core.engine import synchronize
 
-SETUP_VERSION = 2
-"""2: the default method is confirmed live against AR (:func:`confirm_default`); a version-1 setup is measured again."""
+SETUP_VERSION = 3
+"""2: the default method is confirmed live against AR (:func:`confirm_default`); 3: ``ngram`` and ``hybrid`` are
+candidates for the default too. A setup of an older version is measured again."""
 ADAPT_ENV = "ADAPTREE_ADAPT"
 """``ADAPTREE_ADAPT=0`` turns the automatic adaptation of :func:`adaptree.load` off (a cached setup is still used)."""
 
-CANDIDATES = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar", "resps")
+CANDIDATES = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar", "resps", "ngram", "hybrid")
 """Methods :func:`adapt` models on the traces; every one that can run here (its files exist, its widths are
 recorded) is a candidate for the default except ``static`` (EAGLE-3's default tree, the papers' baseline)."""
 
@@ -262,7 +263,7 @@ def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
 def _complete(setup: MachineSetup, pipeline) -> None:
     """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``, with
     its rates at :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
-    the sampled rates, outputs sampled from their prompts; well under a minute)."""
+    the sampled rates, outputs sampled from their prompts; about 90 s on the default model)."""
     acc = setup.acceptance_path
     if acc is None or not acc.is_file() or _chain_complete(acc.with_name("chain.json")):
         return
@@ -343,7 +344,7 @@ def _acceptance(folder: Path, traces, pipeline, message: Callable[[str], None] |
         greedy = ChainCalibration.fit(traces)
         prompts = [t.prompt.tolist() for t in traces]
         new = max(t.end for t in traces)  # the traces' token limit, as near as they say
-        per = 4  # sampled outputs per prompt: a greedy output is one sample of a deterministic text, these vary
+        per = 4  # sampled outputs per prompt (a prompt has one greedy output, but many sampled ones)
         sampled = []
         for temperature in SAMPLED_TEMPERATURES:
             if message is not None:
