@@ -19,8 +19,9 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
   probability of it, which is also the probability that the target *samples* it: the same count on the target's
   outputs sampled at temperature ``T`` (:meth:`ChainCalibration.fit_sampled`) measures the rates at ``T``. They
   are far below the greedy ones (the default model: after a match of 2-31 tokens, a 16-token chain expects 2.7-11.3
-  accepted tokens greedy, 0.6-8.0 at T=1). One calibration holds rates at several temperatures (:meth:`ChainCalibration.combine`);
-  :meth:`~ChainCalibration.probs` interpolates linearly between them and takes the nearest beyond them.
+  accepted tokens greedy, 0.6-8.0 at T=1). One calibration holds rates at several temperatures
+  (:meth:`ChainCalibration.combine`); :meth:`~ChainCalibration.probs` interpolates linearly between them and takes
+  the nearest beyond them.
 
 Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), loaded strictly: format ``version``,
 ``max_ngram``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and token: the
@@ -112,30 +113,30 @@ class ChainCalibration:
     def bucket(self, length: int) -> int:
         return int(np.searchsorted(self.edges, int(length), side="right")) - 1
 
-    def _between(self, temperature: float) -> tuple[int, int, float]:
-        """``(i, j, w)``: the values at ``temperature`` are ``(1 - w) * x[i] + w * x[j]`` of the measured ones."""
+    def _at(self, x: np.ndarray, temperature: float) -> np.ndarray:
+        """``x`` (per measured temperature on its first axis) at ``temperature``: linear between the two nearest
+        measured temperatures, the nearest one's beyond them."""
         t = self.temperatures
         temperature = float(temperature)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         j = int(np.searchsorted(t, temperature, side="right"))  # t[j-1] <= temperature < t[j]
         if j == 0 or j == t.size:
-            return (0, 0, 0.0) if j == 0 else (j - 1, j - 1, 0.0)
-        return j - 1, j, float((temperature - t[j - 1]) / (t[j] - t[j - 1]))
+            return x[max(j - 1, 0)]
+        w = (temperature - t[j - 1]) / (t[j] - t[j - 1])
+        return (1.0 - w) * x[j - 1] + w * x[j]
 
     def rates_at(self, temperature: float = 0.0) -> np.ndarray:
-        """``[B, T]`` rates at ``temperature``: linear between the two nearest measured temperatures, the nearest
-        one's beyond them."""
-        i, j, w = self._between(temperature)
-        return (1.0 - w) * self.rates[i] + w * self.rates[j]
+        """``[B, T]`` rates at ``temperature`` (linear between measured temperatures, the nearest beyond them)."""
+        return self._at(self.rates, temperature)
 
     def at(self, temperature: float) -> ChainCalibration:
-        """This calibration at one temperature (rates and counts as :meth:`rates_at` weighs them): what a consumer
-        that always verifies at ``temperature`` reads (RADAR's training, on a dataset sampled at it)."""
-        i, j, w = self._between(temperature)
-        mix = lambda x: (1.0 - w) * x[i] + w * x[j]  # noqa: E731
-        return ChainCalibration(self.max_ngram, self.edges, mix(self.rates)[None], mix(self.trials)[None],
-                                [round(mix(self.samples))], self.fingerprints, (float(temperature),))
+        """This calibration at one temperature (rates and counts weighed as :meth:`rates_at` weighs them): what a
+        consumer that always verifies at ``temperature`` reads (RADAR's training, on a dataset sampled at it)."""
+        return ChainCalibration(self.max_ngram, self.edges, self.rates_at(temperature)[None],
+                                self._at(self.trials, temperature)[None],
+                                [round(float(self._at(self.samples, temperature)))], self.fingerprints,
+                                (float(temperature),))
 
     def probs(self, match: ContextMatch | None, k: int | None = None, temperature: float = 0.0) -> np.ndarray:
         """``[k]`` (default: the match's tokens) probabilities that the chain's first 1..k tokens are all accepted,

@@ -8,8 +8,9 @@ head tree's depth and V, how many tokens of the context's longest earlier match
 (at most one path is accepted, so ``E[emitted] = 1 + sum over verified nodes of P(node accepted)``, whatever
 the tree). Head candidate ``i``: ``p_i`` from the acceptance calibration of its path score, as in costaware.
 Chain token ``t``: ``c_t`` = P(the chain's first ``t`` tokens accepted), from the :class:`~.chain.ChainCalibration`
-of the match's length at the cycle's sampling temperature. A chain's first ``s`` tokens may already be head candidates (the same tokens down the
-same path): in the tree they are one node each, valued and paid once, as head nodes.
+of the match's length at the cycle's sampling temperature. A chain's first ``s`` tokens may already be head
+candidates (the same tokens down the same path): in the tree they are one node each, valued and paid once, as head
+nodes.
 
 **Decisions.** ``lambda`` = the running throughput estimate (costaware's), ``verify(n)`` = this machine's
 modelled verification seconds for ``n`` nodes at this context length.
