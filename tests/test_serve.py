@@ -179,6 +179,17 @@ def test_chat_is_the_pipelines_generation_with_adaptrees_figures(client, pipe):
     assert r.usage.model_extra["adaptree"]["method"] == "ar" and r.choices[0].message.content == want.text
 
 
+def test_a_method_with_context_chains_serves_its_pipeline_generation(client, pipe):
+    """The server's wrapper of the job's controller passes on every hook: ngram's context index and chain choice."""
+    want = pipe.generate(MSG, method="ngram", max_new_tokens=40, min_n=1)
+    assert sum(c.chain_accepted for c in want.cycles) > 0  # chains were verified and accepted
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=40, temperature=0,
+                                       extra_body={"method": "ngram", "method_options": {"min_n": 1}})
+    own = r.usage.model_extra["adaptree"]
+    assert r.choices[0].message.content == want.text and own["method"] == "ngram"
+    assert own["cycles"] == len(want.cycles) < len(want.token_ids)
+
+
 def test_chat_stream_adds_up_to_the_whole_text(client, pipe):
     want = pipe.generate(MSG, method="static", max_new_tokens=30, **SMALL_TREE)
     stream = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=30, temperature=0, stream=True,

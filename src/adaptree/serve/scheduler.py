@@ -37,9 +37,9 @@ class _Halt(Exception):
 
 
 class _Watched(Controller):
-    """The job's controller, unchanged, with two additions: a cycle does not begin once the job is cancelled or
-    its text reached a stop sequence, and every cycle's record is kept (for the figures of a generation that was
-    ended early)."""
+    """The job's controller, unchanged (every hook of the seam delegated to it), with two additions: a cycle does
+    not begin once the job is cancelled or its text reached a stop sequence, and every cycle's record is kept (for
+    the figures of a generation that was ended early)."""
 
     def __init__(self, inner: Controller, job: Job) -> None:
         self.inner, self.job = inner, job
@@ -49,6 +49,12 @@ class _Watched(Controller):
     def reset(self) -> None:
         self.records.clear()
         self.inner.reset()
+
+    def context_index(self):
+        return self.inner.context_index()
+
+    def use_latency(self, latency) -> None:
+        self.inner.use_latency(latency)
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         if self.job.halt_requested:
@@ -60,6 +66,9 @@ class _Watched(Controller):
 
     def choose_size(self, tree, plan: TreePlan) -> int:
         return self.inner.choose_size(tree, plan)
+
+    def choose_chain(self, tree, plan: TreePlan, size: int) -> int:
+        return self.inner.choose_chain(tree, plan, size)
 
     def end_cycle(self, record: CycleRecord) -> None:
         self.records.append(record)
