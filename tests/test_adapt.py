@@ -89,6 +89,10 @@ def test_setup_is_made_once_and_cached(models, cache):
     ChainCalibration(cal.max_ngram, cal.edges, cal.rates[:1], cal.trials[:1], cal.samples[:1],
                      cal.fingerprints).save(chain)
     assert find_setup(p) is not None and chain.read_text() == fitted
+    # one fitted with the most recent occurrence's chains (before the longest-match rule) is fitted again
+    ChainCalibration(cal.max_ngram, cal.edges, cal.rates, cal.trials, cal.samples, cal.fingerprints,
+                     cal.temperatures, "recent").save(chain)
+    assert find_setup(p) is not None and chain.read_text() == fitted and cal.select == "longest"
 
 
 def test_any_fingerprint_change_invalidates(models, cache):

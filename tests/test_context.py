@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_engine import SAMPLING_CONFIGS, flat_engine, pair_pvalue
 from test_traces import assert_replays_live, traces  # noqa: F401 (the traces fixture)
 
-from adaptree.core.context import ContextIndex
+from adaptree.core.context import SELECT, ContextIndex
 from adaptree.core.controller import Controller, TreePlan
 from adaptree.core.engine import Engine
 from adaptree.core.tree import VerifyTree, add_chain, ancestor_mask, is_chain, root_only_tree
@@ -22,38 +22,76 @@ from adaptree.methods import make_controller
 from adaptree.methods.ngram import NgramConfig
 
 
-def brute_match(toks, max_tokens, min_ngram, max_ngram, max_match):
-    """The longest suffix (min_ngram..max_ngram tokens) with an earlier occurrence, by scanning."""
+def brute_match(toks, max_tokens, min_ngram, max_ngram, max_match, select="longest", scan=64):
+    """The longest suffix (min_ngram..max_ngram tokens) with an earlier occurrence, by scanning; of its occurrences
+    the most recent (``recent``) or, of the ``scan`` most recent, the one that matches furthest back, the most
+    recent among equals (``longest``)."""
     last = len(toks) - 1
     for n in range(min(max_ngram, last), min_ngram - 1, -1):
         suffix = toks[last - n + 1:]
         ends = [e for e in range(n - 1, last) if toks[e - n + 1:e + 1] == suffix]
         if not ends:
             continue
-        p, length = ends[-1], n
-        if n == max_ngram:
-            while length < max_match and p - length >= 0 and toks[p - length] == toks[last - length]:
-                length += 1
+
+        def back(p):
+            length = n
+            if n == max_ngram:
+                while length < max_match and p - length >= 0 and toks[p - length] == toks[last - length]:
+                    length += 1
+            return length
+
+        tried = ends[-1:] if select == "recent" else ends[-scan:]
+        length, p = max((back(e), e) for e in tried)  # equal lengths: the later end wins
         period = last - p  # the continuation goes on repeating past the context's end
         return length, len(ends), p + 1, tuple(toks[p + 1 + i] if p + 1 + i <= last else toks[p + 1 + i - period *
                                                  ((p + 1 + i - last - 1) // period + 1)] for i in range(max_tokens))
     return None
 
 
-@settings(max_examples=200, deadline=None)
-@given(toks=st.lists(st.integers(0, 5), min_size=1, max_size=60), cut=st.integers(0, 60),
-       max_ngram=st.integers(1, 5), min_ngram=st.integers(1, 5), max_tokens=st.integers(1, 8))
-def test_index_finds_the_longest_most_recent_match(toks, cut, max_ngram, min_ngram, max_tokens):
+@settings(max_examples=300, deadline=None)
+@given(toks=st.lists(st.integers(0, 3), min_size=1, max_size=60), cut=st.integers(0, 60),
+       max_ngram=st.integers(1, 5), min_ngram=st.integers(1, 5), max_tokens=st.integers(1, 8),
+       select=st.sampled_from(SELECT), scan=st.integers(1, 4))
+def test_index_finds_the_longest_match_and_the_occurrence_its_rule_picks(toks, cut, max_ngram, min_ngram, max_tokens,
+                                                                          select, scan):
     min_ngram = min(min_ngram, max_ngram)
-    idx = ContextIndex(max_ngram=max_ngram, max_match=max_ngram + 6)
+    idx = ContextIndex(max_ngram=max_ngram, max_match=max_ngram + 6, select=select, scan=scan)
     cut = min(cut, len(toks))
     idx.sync(toks[:cut], [])
     for k in range(cut, len(toks) + 1):  # the generated tokens grow one at a time (or several)
         idx.sync(toks[:cut], toks[cut:k])
     assert idx.tokens == toks
     m = idx.match(max_tokens, min_ngram)
-    want = brute_match(toks, max_tokens, min_ngram, max_ngram, max_ngram + 6)
+    want = brute_match(toks, max_tokens, min_ngram, max_ngram, max_ngram + 6, select, scan)
     assert (None if m is None else (m.length, m.count, m.position, m.tokens)) == want
+
+
+def test_longest_rule_picks_the_occurrence_with_the_longer_past():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16
+    toks = [5, 1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 6, 0, 5, 1, 2, 3]  # "1 2 3" after 5 (pos 1-3) and after 9 (pos 7-9)
+    longest, recent = ContextIndex(max_ngram=3), ContextIndex(max_ngram=3, select="recent")
+    longest.extend(toks)
+    recent.extend(toks)
+    a, b = longest.match(3), recent.match(3)
+    assert (a.length, a.position, a.tokens) == (4, 4, (7, 8, 9))  # "5 1 2 3" occurred before: continues "7 8 9"
+    assert (b.length, b.position, b.tokens) == (3, 10, (4, 6, 0))  # the most recent "1 2 3" continued "4 6 0"
+    assert a.count == b.count == 2
+    one = ContextIndex(max_ngram=3, scan=1)  # scan 1: only the most recent occurrence is compared
+    one.extend(toks)
+    assert one.match(3) == b
+    short = [1, 2, 3, 7, 4, 1, 2, 3, 8, 6, 1, 2, 3]  # "1 2 3" twice before, "6 1 2 3" never: a 3-token match
+    got = []
+    for rule in SELECT:
+        idx = ContextIndex(max_ngram=4, select=rule)
+        idx.extend(short)
+        got.append(idx.match(2))
+    assert got[0] == got[1] and (got[0].length, got[0].tokens) == (3, (8, 6))  # shorter than max_ngram: the same
+    with pytest.raises(ValueError, match="select must be one of longest, recent, got 'first'"):
+        ContextIndex(select="first")
+    with pytest.raises(ValueError, match="scan must be a positive integer, got 0"):
+        ContextIndex(scan=0)
+    with pytest.raises(ValueError, match="select must be one of longest, recent, got 'oldest'"):
+        NgramConfig(select="oldest")
 
 
 def test_index_on_text_that_repeats_and_bad_input():

@@ -54,7 +54,7 @@ def test_chain_rates_are_the_counted_acceptances(traces):
     for t in traces:
         y = t.output.tolist()
         for j in range(t.end):
-            m = brute_match(t.prompt.tolist() + y[:j + 1], 6, 1, 3, 4)
+            m = brute_match(t.prompt.tolist() + y[:j + 1], 6, 1, 3, 64)  # the index's max_match, select longest
             if m is None:
                 continue
             b = 0 if m[0] < 2 else 1 if m[0] < 4 else 2
@@ -107,6 +107,10 @@ def test_rates_are_interpolated_between_temperatures():
                                                            temperatures=(1.0,))])
     with pytest.raises(ValueError, match="different shapes"):
         ChainCalibration.combine([greedy, ChainCalibration(3, [1, 3], [[0.1] * 2] * 2, temperatures=(1.0,))])
+    with pytest.raises(ValueError, match="different shapes.*select"):
+        ChainCalibration.combine([greedy, ChainCalibration(2, [1, 3], [[0.1] * 2] * 2, temperatures=(1.0,),
+                                                           select="recent")])
+    assert both.select == "longest" and half.select == "longest"
 
 
 def test_sampled_rates_count_the_sampled_outputs(models):
@@ -133,18 +137,26 @@ def test_chain_file_round_trip_and_strict_loading(chain_cal, tmp_path):
     back = ChainCalibration.load(p)
     np.testing.assert_allclose(back.rates, chain_cal.rates, atol=1e-6)
     assert back.trials.tolist() == chain_cal.trials.tolist() and back.max_ngram == chain_cal.max_ngram
+    assert back.select == chain_cal.select == "longest"
     d = json.loads(p.read_text())
-    v1 = {k: v for k, v in d.items() if k != "temperatures"}  # the format before temperatures: greedy rates
+    v2 = {k: v for k, v in d.items() if k != "select"}  # the format before the occurrence rule: the most recent
+    p.write_text(json.dumps(dict(v2, version=2)))
+    old = ChainCalibration.load(p)
+    assert old.select == "recent" and old.index().select == "recent" and old.rates.tolist() == back.rates.tolist()
+    v1 = {k: v for k, v in v2.items() if k != "temperatures"}  # the format before temperatures: greedy rates
     v1.update(version=1, rates=d["rates"][0], trials=d["trials"][0], samples=d["samples"][0])
     p.write_text(json.dumps(v1))
     old = ChainCalibration.load(p)
     assert old.temperatures.tolist() == [0.0] and old.trials.tolist() == chain_cal.trials.tolist()
+    assert old.select == "recent"
     for edit, match in [(lambda d: d.pop("rates"), "missing fields"), (lambda d: d.update(extra=1), "unknown"),
                         (lambda d: d.update(version=9), "version"), (lambda d: d.update(edges=[2, 3]), "edges"),
                         (lambda d: d["rates"][0][0].__setitem__(0, 1.5), "probabilities"),
                         (lambda d: d.update(temperatures=[0.0, 1.0]), "samples must be one count per"),
                         (lambda d: d.update(temperatures=[0.0, 1.0], samples=[1, 2]), "rates must be"),
-                        (lambda d: d.update(version=1), "unknown fields")]:
+                        (lambda d: d.update(version=1), "unknown fields"),
+                        (lambda d: d.update(version=2), "unknown fields \\['select'\\]"),
+                        (lambda d: d.update(select="first"), "select must be one of longest, recent")]:
         bad = json.loads(json.dumps(d))
         edit(bad)
         p.write_text(json.dumps(bad))
@@ -338,6 +350,11 @@ def test_config_and_files_are_checked(tmp_path, chain_cal):
         HybridController(HybridConfig(chain=str(tmp_path / "none.json")), lat(), LINEAR)
     with pytest.raises(ValueError, match="max_n 3"):
         HybridController(HybridConfig(max_n=3), lat(), LINEAR, chain_cal)
+    # the loop's context index picks occurrences by the calibration's rule (its rates are of those chains)
+    recent = ChainCalibration(4, [1], [[0.5] * 16], select="recent")
+    for c, rule in ((chain_cal, "longest"), (recent, "recent")):
+        assert HybridController(HybridConfig(), lat(), LINEAR, c).context_index().select == rule
+        assert ChainRule(c).index().select == rule and c.index().max_ngram == 4
 
 
 # ------------------------------------------------------------------------------------- engine and simulator

@@ -278,14 +278,16 @@ def _complete(setup: MachineSetup, pipeline) -> None:
 
 
 def _chain_complete(path: Path) -> bool:
-    """``path`` is a chain calibration with greedy rates and rates at every sampled temperature."""
+    """``path`` is a chain calibration of the current occurrence rule with greedy rates and rates at every sampled
+    temperature."""
     from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
     try:
-        have = ChainCalibration.load(path).temperatures.tolist()
+        cal = ChainCalibration.load(path)
     except (OSError, ValueError):
         return False
-    return all(t in have for t in (0.0, *SAMPLED_TEMPERATURES))
+    have = cal.temperatures.tolist()
+    return cal.select == ChainCalibration.select and all(t in have for t in (0.0, *SAMPLED_TEMPERATURES))
 
 
 def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[int, int]:

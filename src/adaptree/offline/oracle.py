@@ -20,9 +20,9 @@ the accepted length is a step function of V, so only the smallest V reaching eac
 uses the recorded widths and depths.
 
 **Context chains** (``chains=K``): every action is also taken with the first ``k = 0..K`` tokens of the
-context's longest earlier match (:class:`~adaptree.core.context.ContextIndex`, as ``ngram`` and ``hybrid`` see
-it) verified as one more path of the tree. A chain's accepted prefix is where it leaves the recorded output, the
-cycle accepts the longer of the head's and the chain's, and the chain's tokens that the head's selected tree
+context's longest earlier match (:class:`~adaptree.core.context.ContextIndex` with its default occurrence rule,
+``"longest"``, as ``hybrid`` sees it; ``ngram``'s default is ``"recent"``) verified as one more path of the tree.
+A chain's accepted prefix is where it leaves the recorded output, the cycle accepts the longer of the head's and the chain's, and the chain's tokens that the head's selected tree
 already holds (the same tokens down the same path) cost nothing more: ``verify(V + added)``. So the bound
 covers hybrid controllers too, and ``depths`` with AR alone plus chains is the best any ``ngram`` schedule does.
 

@@ -224,11 +224,13 @@ class PromptTrace:
 
 
 def context_matches(prompt: Sequence[int], output: Sequence[int], positions: int, max_tokens: int,
-                    max_ngram: int = 4, max_match: int = 64) -> Iterator[tuple[int, ContextMatch | None]]:
+                    max_ngram: int = 4, max_match: int = 64, select: str = "longest"
+                    ) -> Iterator[tuple[int, ContextMatch | None]]:
     """``(j, match)`` at every root ``j < positions``: the longest earlier match of ``prompt + output[:j+1]`` and
     its ``max_tokens`` continuation tokens, as the cycle loop's :class:`~adaptree.core.context.ContextIndex` (of
-    ``max_ngram``, ``max_match``) proposes them there (greedy: the context is the recorded output's prefix)."""
-    idx = ContextIndex(max_ngram=max_ngram, max_match=max_match)
+    ``max_ngram``, ``max_match``, ``select``) proposes them there (greedy: the context is the recorded output's
+    prefix)."""
+    idx = ContextIndex(max_ngram=max_ngram, max_match=max_match, select=select)
     idx.extend(int(t) for t in prompt)
     for j, t in enumerate(output[:positions]):
         idx.extend([int(t)])

@@ -6,7 +6,9 @@ expected accepted tokens ``sum_i c_i``, ``c_i`` = the probability that its first
 same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
 
 * **Samples.** At every root ``y_j`` of every trace, the longest earlier match of ``prompt + y_0..y_j`` (at
-  least one token; n-grams of up to ``max_ngram``) proposes ``max_tokens`` tokens; greedy verification accepts
+  least one token; n-grams of up to ``max_ngram``; the occurrence picked by the index's ``select`` rule, which
+  the calibration records and the controllers' indexes then use) proposes ``max_tokens`` tokens; greedy
+  verification accepts
   its longest prefix that equals ``y_{j+1}, y_{j+2}, ...`` (a chain token past the recorded output has no
   label and is left out).
 * **Rates.** Matches are grouped by their length (the buckets ``edges``: ``[edges[b], edges[b+1])``, the last
@@ -24,10 +26,11 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
   the nearest beyond them.
 
 Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), loaded strictly: format ``version``,
-``max_ngram``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and token: the
+``max_ngram``, ``select``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and token: the
 counts behind each rate), ``samples`` (per temperature: positions with a match) and ``fingerprints`` (``model`` and
 ``head`` digests of the traces; the chain rates depend on the target's outputs only, the head is recorded for
-:meth:`check`). Version 1 files (greedy rates only, no ``temperatures``) still load, as temperature 0.
+:meth:`check`). Older files still load: version 2 (no ``select``) as fitted with ``"recent"``, version 1 (greedy
+rates only, no ``temperatures``) also as temperature 0.
 
 :class:`ChainRule` puts a context chain into any other controller's cycles (the learned ones: LTD's
 ``chain_tokens``), and :data:`MATCH_FEATURES` are what their policies observe of the match.
@@ -42,13 +45,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adaptree.core.context import ContextIndex, ContextMatch
+from adaptree.core.context import SELECT, ContextIndex, ContextMatch
 from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, context_matches
 
-FORMAT_VERSION = 2
-FIELDS = ("version", "max_ngram", "edges", "temperatures", "rates", "trials", "samples", "fingerprints")
-FIELDS_V1 = tuple(f for f in FIELDS if f != "temperatures")
+FORMAT_VERSION = 3
+FIELDS = ("version", "max_ngram", "select", "edges", "temperatures", "rates", "trials", "samples", "fingerprints")
+OLD_FIELDS = {2: tuple(f for f in FIELDS if f != "select"), 1: tuple(f for f in FIELDS if f not in ("select",
+                                                                                                   "temperatures"))}
 SAMPLED_TEMPERATURES = (1.0,)
 """The temperatures a machine setup measures the chain rates at besides greedy
 (:meth:`ChainCalibration.fit_sampled`)."""
@@ -75,6 +79,9 @@ class ChainCalibration:
     fingerprints: dict[str, str] = field(default_factory=dict)
     temperatures: np.ndarray = (0.0,)  # type: ignore[assignment]
     """``[N]`` strictly increasing sampling temperatures the rates were measured at (0: greedy)."""
+    select: str = "longest"
+    """The context index's rule for which earlier occurrence proposes the chain (:data:`~adaptree.core.context.SELECT`):
+    the samples' and, through :meth:`index`, the controllers'."""
 
     def __post_init__(self) -> None:
         self.edges = np.asarray(self.edges, np.int64).reshape(-1)
@@ -91,6 +98,8 @@ class ChainCalibration:
         if self.max_ngram < 1 or int(self.max_ngram) != self.max_ngram:
             raise ValueError(f"max_ngram must be a positive integer, got {self.max_ngram!r}")
         self.max_ngram = int(self.max_ngram)
+        if self.select not in SELECT:
+            raise ValueError(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         e, t = self.edges, self.temperatures
         if e.size < 1 or e[0] != 1 or (np.diff(e) <= 0).any():
             raise ValueError(f"edges must be strictly increasing match lengths starting at 1, got {e.tolist()}")
@@ -109,6 +118,10 @@ class ChainCalibration:
     def max_tokens(self) -> int:
         """Longest chain the rates cover (a longer one is valued with the last token's rate)."""
         return int(self.rates.shape[2])
+
+    def index(self) -> ContextIndex:
+        """A context index that proposes chains as the samples' index did (``max_ngram``, ``select``)."""
+        return ContextIndex(max_ngram=self.max_ngram, select=self.select)
 
     def bucket(self, length: int) -> int:
         return int(np.searchsorted(self.edges, int(length), side="right")) - 1
@@ -136,7 +149,7 @@ class ChainCalibration:
         return ChainCalibration(self.max_ngram, self.edges, self.rates_at(temperature)[None],
                                 self._at(self.trials, temperature)[None],
                                 [round(float(self._at(self.samples, temperature)))], self.fingerprints,
-                                (float(temperature),))
+                                (float(temperature),), self.select)
 
     def probs(self, match: ContextMatch | None, k: int | None = None, temperature: float = 0.0) -> np.ndarray:
         """``[k]`` (default: the match's tokens) probabilities that the chain's first 1..k tokens are all accepted,
@@ -153,7 +166,7 @@ class ChainCalibration:
 
     @classmethod
     def fit(cls, traces: PromptTrace | Iterable[PromptTrace], max_ngram: int = 4, max_tokens: int = 16,
-            edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0) -> ChainCalibration:
+            edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = "longest") -> ChainCalibration:
         """Fit on greedy traces (module docstring); an iterable is consumed once."""
         if isinstance(traces, PromptTrace):
             traces = [traces]
@@ -171,14 +184,15 @@ class ChainCalibration:
                                      f"one chain calibration per model")
                 yield trace.prompt, trace.output, trace.end
 
-        cal = cls.fit_texts(texts(), max_ngram=max_ngram, max_tokens=max_tokens, edges=edges, smoothing=smoothing)
+        cal = cls.fit_texts(texts(), max_ngram=max_ngram, max_tokens=max_tokens, edges=edges, smoothing=smoothing,
+                            select=select)
         cal.fingerprints = dict(fps)
         return cal
 
     @classmethod
     def fit_texts(cls, texts: Iterable[tuple[Sequence[int], Sequence[int], int]], fingerprints: Mapping[str, str]
                   | None = None, max_ngram: int = 4, max_tokens: int = 16, edges: Sequence[int] = DEFAULT_EDGES,
-                  smoothing: float = 4.0, temperature: float = 0.0) -> ChainCalibration:
+                  smoothing: float = 4.0, temperature: float = 0.0, select: str = "longest") -> ChainCalibration:
         """Fit on ``(prompt, output, end)`` token-id texts: the target's ``output`` after ``prompt`` (greedy, or sampled
         at ``temperature``), roots at its first ``end`` tokens (a self-distilled corpus: ``end = len(output)``).
         ``fingerprints``: at least the target's ``model`` digest (:func:`~adaptree.offline.traces.model_fingerprint`),
@@ -193,7 +207,7 @@ class ChainCalibration:
         samples = 0
         for prompt, output, end in texts:
             y = [int(t) for t in output]
-            for j, m in context_matches(prompt, y, end, max_tokens, max_ngram, max(max_ngram, int(edges_a[-1]))):
+            for j, m in context_matches(prompt, y, end, max_tokens, max_ngram, select=select):
                 if m is None:
                     continue
                 samples += 1
@@ -209,13 +223,14 @@ class ChainCalibration:
         rates = (hits + smoothing * pooled) / np.maximum(trials + smoothing, 1e-12)
         rates[(trials + smoothing) == 0] = 0.0
         return cls(max_ngram, edges_a, np.clip(rates, 0.0, 1.0), trials, samples, dict(fingerprints or {}),
-                   (float(temperature),))
+                   (float(temperature),), select)
 
     @classmethod
     def fit_sampled(cls, target, prompts: Sequence[Sequence[int]], temperature: float = 1.0,
                     max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), samples_per_prompt: int = 4,
                     seed: int = 0, batch_size: int = 16, max_ngram: int = 4, max_tokens: int = 16,
-                    edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0) -> ChainCalibration:
+                    edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = "longest"
+                    ) -> ChainCalibration:
         """The rates at ``temperature`` > 0: ``samples_per_prompt`` outputs of ``target`` sampled at ``temperature``
         (seeded) for each prompt, counted as :meth:`fit_texts` counts greedy ones (module docstring)."""
         from adaptree.core.batched import batched_generate
@@ -230,27 +245,28 @@ class ChainCalibration:
         outs = batched_generate(target, rows, max_new_tokens, eos_token_ids, temperature=temperature,
                                 generator=gen, batch_size=batch_size)
         return cls.fit_texts(((p, y, len(y)) for p, y in zip(rows, outs)), {"model": model_fingerprint(target)},
-                             max_ngram, max_tokens, edges, smoothing, temperature)
+                             max_ngram, max_tokens, edges, smoothing, temperature, select)
 
     @classmethod
     def combine(cls, calibrations: Sequence[ChainCalibration]) -> ChainCalibration:
-        """One calibration with the rates of all of ``calibrations`` (the same model, n-grams, buckets and chain
-        length; distinct temperatures), sorted by temperature."""
+        """One calibration with the rates of all of ``calibrations`` (the same model, n-grams, occurrence rule, buckets
+        and chain length; distinct temperatures), sorted by temperature."""
         cals = sorted(calibrations, key=lambda c: float(c.temperatures[0]))
         if not cals:
             raise ValueError("combine needs at least one chain calibration")
         a = cals[0]
         for c in cals[1:]:
-            if (c.max_ngram, c.edges.tolist(), c.max_tokens) != (a.max_ngram, a.edges.tolist(), a.max_tokens):
-                raise ValueError(f"chain calibrations of different shapes cannot be combined: max_ngram, edges, "
-                                 f"tokens {c.max_ngram}, {c.edges.tolist()}, {c.max_tokens} vs {a.max_ngram}, "
-                                 f"{a.edges.tolist()}, {a.max_tokens}")
+            if (c.max_ngram, c.select, c.edges.tolist(), c.max_tokens) != (a.max_ngram, a.select, a.edges.tolist(),
+                                                                          a.max_tokens):
+                raise ValueError(f"chain calibrations of different shapes cannot be combined: max_ngram, select, "
+                                 f"edges, tokens {c.max_ngram}, {c.select}, {c.edges.tolist()}, {c.max_tokens} vs "
+                                 f"{a.max_ngram}, {a.select}, {a.edges.tolist()}, {a.max_tokens}")
             if c.check(a.fingerprints):
                 raise ValueError("chain calibrations of different models cannot be combined")
         fps = {k: v for c in reversed(cals) for k, v in c.fingerprints.items()}
         return cls(a.max_ngram, a.edges, np.concatenate([c.rates for c in cals]),
                    np.concatenate([c.trials for c in cals]), np.concatenate([c.samples for c in cals]), fps,
-                   np.concatenate([c.temperatures for c in cals]))
+                   np.concatenate([c.temperatures for c in cals]), a.select)
 
     def check(self, fingerprints: Mapping[str, str]) -> list[str]:
         """A message when ``fingerprints``' model differs from the one the rates were measured on."""
@@ -263,7 +279,8 @@ class ChainCalibration:
     # --------------------------------------------------------------------------------------------- files
 
     def to_dict(self) -> dict:
-        return {"version": FORMAT_VERSION, "max_ngram": self.max_ngram, "edges": self.edges.tolist(),
+        return {"version": FORMAT_VERSION, "max_ngram": self.max_ngram, "select": self.select,
+                "edges": self.edges.tolist(),
                 "temperatures": self.temperatures.tolist(),
                 "rates": [[[round(float(x), 6) for x in row] for row in rt] for rt in self.rates],
                 "trials": [[[int(x) for x in row] for row in nt] for nt in self.trials],
@@ -274,16 +291,16 @@ class ChainCalibration:
         if not isinstance(d, Mapping):
             raise ValueError(f"a chain calibration must be a JSON object, got {type(d).__name__}")
         version = d.get("version")
-        if version not in (1, FORMAT_VERSION):
-            raise ValueError(f"chain calibration format version {version!r}, this adaptree reads 1 and "
+        if version not in (1, 2, FORMAT_VERSION):
+            raise ValueError(f"chain calibration format version {version!r}, this adaptree reads 1 to "
                              f"{FORMAT_VERSION}")
-        fields = FIELDS if version == FORMAT_VERSION else FIELDS_V1
+        fields = FIELDS if version == FORMAT_VERSION else OLD_FIELDS[version]
         unknown, missing = sorted(set(d) - set(fields)), [k for k in fields if k not in d]
         if unknown or missing:
             raise ValueError(f"bad chain calibration (version {version}): unknown fields {unknown}, missing fields "
                              f"{missing}")
         return cls(d["max_ngram"], d["edges"], d["rates"], d["trials"], d["samples"], d["fingerprints"],
-                   d.get("temperatures", (0.0,)))
+                   d.get("temperatures", (0.0,)), d.get("select", "recent"))
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(self.to_dict(), path)
@@ -388,7 +405,7 @@ class ChainRule:
         return cls(calibration, tokens)
 
     def index(self) -> ContextIndex:
-        return ContextIndex(max_ngram=self.cal.max_ngram)
+        return self.cal.index()
 
     def begin_match(self, match: ContextMatch | None, context_len: int, temperature: float = 0.0) -> tuple[int, ...]:
         self.match, self.context_len, self.temperature = match, int(context_len), float(temperature)

@@ -88,7 +88,7 @@ class HybridController(CostAwareController):
         self.config: HybridConfig = cfg
 
     def context_index(self) -> ContextIndex:
-        return ContextIndex(max_ngram=self.config.max_n)
+        return self.chain_cal.index()
 
     def reset(self) -> None:
         super().reset()

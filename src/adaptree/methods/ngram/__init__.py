@@ -3,7 +3,8 @@ SGLang and llama.cpp, and transformers' prompt lookup).
 
 Every cycle: the longest suffix of the context (prompt and generated tokens, root last) of ``min_n`` to
 ``max_n`` tokens that occurred earlier in it (:class:`~adaptree.core.context.ContextIndex`), and the
-``tokens`` tokens that followed its most recent earlier occurrence, verified as one chain under the root
+``tokens`` tokens that followed its most recent earlier occurrence (``select="longest"``: the occurrence whose
+match reaches furthest back, the hybrid's rule), verified as one chain under the root
 (a causal forward). No match: an autoregressive step. Lossless like every tree: verification is the engine's.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adaptree.core.context import ContextIndex
+from adaptree.core.context import SELECT, ContextIndex
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 
 
@@ -26,12 +27,17 @@ class NgramConfig:
     chain costs more than an autoregressive step on a CPU)."""
     max_n: int = 4
     """Longest n-gram matched (vLLM's ``prompt_lookup_max``); longer matches are preferred."""
+    select: str = "recent"
+    """Which earlier occurrence of the match proposes the chain: ``recent`` (the most recent, as prompt lookup does
+    it) or ``longest`` (the one whose match reaches furthest back, as the hybrid picks it)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens", "min_n", "max_n"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.select not in SELECT:
+            raise ValueError(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
 
@@ -46,7 +52,7 @@ class NgramController(Controller):
         self.config = config or NgramConfig()
 
     def context_index(self) -> ContextIndex:
-        return ContextIndex(max_ngram=self.config.max_n)
+        return ContextIndex(max_ngram=self.config.max_n, select=self.config.select)
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         m = ctx.index.match(self.config.tokens, self.config.min_n)
