@@ -8,9 +8,8 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
 * **Samples.** At every root ``y_j`` of every trace, the longest earlier match of ``prompt + y_0..y_j`` (at
   least one token; n-grams of up to ``max_ngram``; the occurrence picked by the index's ``select`` rule, which
   the calibration records and the controllers' indexes then use) proposes ``max_tokens`` tokens; greedy
-  verification accepts
-  its longest prefix that equals ``y_{j+1}, y_{j+2}, ...`` (a chain token past the recorded output has no
-  label and is left out).
+  verification accepts its longest prefix that equals ``y_{j+1}, y_{j+2}, ...`` (a chain token past the
+  recorded output has no label and is left out).
 * **Rates.** Matches are grouped by their length (the buckets ``edges``: ``[edges[b], edges[b+1])``, the last
   open-ended). ``rates[b][t]`` = P(chain token ``t`` accepted | tokens ``< t`` accepted) in bucket ``b``,
   estimated as ``(hits + s * pooled) / (trials + s)`` with ``s = smoothing`` pseudo-trials at the rate pooled
@@ -26,11 +25,11 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
   the nearest beyond them.
 
 Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), loaded strictly: format ``version``,
-``max_ngram``, ``select``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and token: the
-counts behind each rate), ``samples`` (per temperature: positions with a match) and ``fingerprints`` (``model`` and
-``head`` digests of the traces; the chain rates depend on the target's outputs only, the head is recorded for
-:meth:`check`). Older files still load: version 2 (no ``select``) as fitted with ``"recent"``, version 1 (greedy
-rates only, no ``temperatures``) also as temperature 0.
+``max_ngram``, ``select``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and
+token: the counts behind each rate), ``samples`` (per temperature: positions with a match) and ``fingerprints``
+(``model`` and ``head`` digests of the traces; the chain rates depend on the target's outputs only, the head is
+recorded for :meth:`check`). Older files still load: version 2 (no ``select``) as fitted with ``"recent"``,
+version 1 (greedy rates only, no ``temperatures``) also as temperature 0.
 
 :class:`ChainRule` puts a context chain into any other controller's cycles (the learned ones: LTD's
 ``chain_tokens``), and :data:`MATCH_FEATURES` are what their policies observe of the match.
