@@ -30,6 +30,11 @@ from adaptree.offline.simulator import chain_credit, simulate
 from adaptree.offline.traces import TraceStore, context_matches
 
 
+def dataset_of(key: str) -> str:
+    """The dataset a trace key names: its part before the first ``/`` or ``_``."""
+    return re.split(r"[/_]", key, maxsplit=1)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", help="a folder of greedy traces")
@@ -52,7 +57,7 @@ def main() -> None:
     positions = 0
     for trace in tqdm(traces, desc="traces", unit="trace"):
         y = trace.output.tolist()
-        dataset = re.split(r"[/_]", trace.key, maxsplit=1)[0]
+        dataset = dataset_of(trace.key)
         positions += trace.end
         for select in SELECT:
             row = table[dataset][select]
@@ -96,7 +101,7 @@ def simulated(args, traces) -> dict[str, dict[str, float]]:
     fit_on = TraceStore(args.fit_traces).load_all()
     groups: dict[str, list] = defaultdict(list)
     for t in traces:
-        groups[re.split(r"[/_]", t.key, maxsplit=1)[0]].append(t)
+        groups[dataset_of(t.key)].append(t)
     groups["all"] = traces
     arms = {}
     for select in SELECT:

@@ -280,6 +280,7 @@ def _complete(setup: MachineSetup, pipeline) -> None:
 def _chain_complete(path: Path) -> bool:
     """``path`` is a chain calibration of the current occurrence rule with greedy rates and rates at every sampled
     temperature."""
+    from adaptree.core.context import DEFAULT_SELECT
     from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
     try:
@@ -287,7 +288,7 @@ def _chain_complete(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     have = cal.temperatures.tolist()
-    return cal.select == ChainCalibration.select and all(t in have for t in (0.0, *SAMPLED_TEMPERATURES))
+    return cal.select == DEFAULT_SELECT and all(t in have for t in (0.0, *SAMPLED_TEMPERATURES))
 
 
 def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[int, int]:

@@ -30,6 +30,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+SELECT = ("longest", "recent")
+"""The rules :meth:`ContextIndex.match` can pick an earlier occurrence by (module docstring)."""
+DEFAULT_SELECT = SELECT[0]
+"""The rule of a :class:`ContextIndex`, a chain calibration and its fits unless told otherwise."""
+
 
 @dataclass(frozen=True)
 class ContextMatch:
@@ -57,7 +62,7 @@ class ContextIndex:
         cost at ``scan * max_match`` token comparisons).
     """
 
-    def __init__(self, max_ngram: int = 8, max_match: int = 64, select: str = "longest", scan: int = 64) -> None:
+    def __init__(self, max_ngram: int = 8, max_match: int = 64, select: str = DEFAULT_SELECT, scan: int = 64) -> None:
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
             raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
         if isinstance(max_match, bool) or not isinstance(max_match, int) or max_match < max_ngram:
@@ -138,8 +143,4 @@ class ContextIndex:
         return length
 
 
-SELECT = ("longest", "recent")
-"""The rules :meth:`ContextIndex.match` can pick an earlier occurrence by (module docstring)."""
-
-
-__all__ = ["SELECT", "ContextIndex", "ContextMatch"]
+__all__ = ["DEFAULT_SELECT", "SELECT", "ContextIndex", "ContextMatch"]

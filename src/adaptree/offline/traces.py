@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from adaptree.core.batched import batched_decode
-from adaptree.core.context import ContextIndex, ContextMatch
+from adaptree.core.context import DEFAULT_SELECT, ContextIndex, ContextMatch
 from adaptree.offline.store import (
     FingerprintedStore,
     StoreFormat,
@@ -224,7 +224,7 @@ class PromptTrace:
 
 
 def context_matches(prompt: Sequence[int], output: Sequence[int], positions: int, max_tokens: int,
-                    max_ngram: int = 4, max_match: int = 64, select: str = "longest"
+                    max_ngram: int = 4, max_match: int = 64, select: str = DEFAULT_SELECT
                     ) -> Iterator[tuple[int, ContextMatch | None]]:
     """``(j, match)`` at every root ``j < positions``: the longest earlier match of ``prompt + output[:j+1]`` and
     its ``max_tokens`` continuation tokens, as the cycle loop's :class:`~adaptree.core.context.ContextIndex` (of

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adaptree.core.context import SELECT, ContextIndex, ContextMatch
+from adaptree.core.context import DEFAULT_SELECT, SELECT, ContextIndex, ContextMatch
 from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, context_matches
 
@@ -78,7 +78,7 @@ class ChainCalibration:
     fingerprints: dict[str, str] = field(default_factory=dict)
     temperatures: np.ndarray = (0.0,)  # type: ignore[assignment]
     """``[N]`` strictly increasing sampling temperatures the rates were measured at (0: greedy)."""
-    select: str = "longest"
+    select: str = DEFAULT_SELECT
     """The context index's rule for which earlier occurrence proposes the chain (:data:`~adaptree.core.context.SELECT`):
     the samples' and, through :meth:`index`, the controllers'."""
 
@@ -165,7 +165,8 @@ class ChainCalibration:
 
     @classmethod
     def fit(cls, traces: PromptTrace | Iterable[PromptTrace], max_ngram: int = 4, max_tokens: int = 16,
-            edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = "longest") -> ChainCalibration:
+            edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = DEFAULT_SELECT
+            ) -> ChainCalibration:
         """Fit on greedy traces (module docstring); an iterable is consumed once."""
         if isinstance(traces, PromptTrace):
             traces = [traces]
@@ -191,7 +192,7 @@ class ChainCalibration:
     @classmethod
     def fit_texts(cls, texts: Iterable[tuple[Sequence[int], Sequence[int], int]], fingerprints: Mapping[str, str]
                   | None = None, max_ngram: int = 4, max_tokens: int = 16, edges: Sequence[int] = DEFAULT_EDGES,
-                  smoothing: float = 4.0, temperature: float = 0.0, select: str = "longest") -> ChainCalibration:
+                  smoothing: float = 4.0, temperature: float = 0.0, select: str = DEFAULT_SELECT) -> ChainCalibration:
         """Fit on ``(prompt, output, end)`` token-id texts: the target's ``output`` after ``prompt`` (greedy, or sampled
         at ``temperature``), roots at its first ``end`` tokens (a self-distilled corpus: ``end = len(output)``).
         ``fingerprints``: at least the target's ``model`` digest (:func:`~adaptree.offline.traces.model_fingerprint`),
@@ -228,7 +229,7 @@ class ChainCalibration:
     def fit_sampled(cls, target, prompts: Sequence[Sequence[int]], temperature: float = 1.0,
                     max_new_tokens: int = 128, eos_token_ids: Iterable[int] = (), samples_per_prompt: int = 4,
                     seed: int = 0, batch_size: int = 16, max_ngram: int = 4, max_tokens: int = 16,
-                    edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = "longest"
+                    edges: Sequence[int] = DEFAULT_EDGES, smoothing: float = 4.0, select: str = DEFAULT_SELECT
                     ) -> ChainCalibration:
         """The rates at ``temperature`` > 0: ``samples_per_prompt`` outputs of ``target`` sampled at ``temperature``
         (seeded) for each prompt, counted as :meth:`fit_texts` counts greedy ones (module docstring)."""
