@@ -6,19 +6,29 @@
   Qwen2.5-Coder-1.5B the 0.5B model; any other pair via ``--assistant-model``).
 
 They show our autoregressive baseline is not a straw man and place adaptree among what a user would
-otherwise pick. Each arm returns a :class:`~adaptree.records.GenerationResult` (no cycles: transformers
+otherwise pick. Each arm returns a :class:`~adaptree.core.records.GenerationResult` (no cycles: transformers
 does not expose them) with the EOS token kept, as the engine does, so tokens are counted alike.
+
+The bench runs them in one worker process (:mod:`adaptree.bench.isolation`, :func:`hf_recipe`), which loads the
+bench's model again (checked to hold the same weights) and shares one transformers copy among the arms.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from adaptree.bench.isolation import ArmRecipe
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
+
+if TYPE_CHECKING:
+    from adaptree.api import Pipeline
+    from adaptree.bench.runner import BenchConfig
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
@@ -96,3 +106,50 @@ class HFArm:
                 break
         return GenerationResult(prompt_len=len(prompt_ids), token_ids=toks, wall_time_s=wall, stop_reason=stop,
                                 method=self.method)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of every tensor's name, shape, dtype and first 4096 values: tells two loads of a model apart
+    without hashing gigabytes."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        head = t.detach().reshape(-1)[:4096].contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(head.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def hf_recipe(method: str, cfg: BenchConfig, pipeline: Pipeline) -> ArmRecipe:
+    """How the bench's worker builds ``method`` (:func:`build_hf_arms`); bad input fails here, in the bench's
+    process. Every Hugging Face arm of a bench shares the recipe, hence one worker and one copy of the weights."""
+    if pipeline.weights != "float":
+        raise ValueError(f"the {method} arm copies the float weights into transformers: use --weights float, not "
+                         f"{pipeline.weights}")
+    assistant = None
+    if "hf_assisted" in cfg.methods:
+        assistant = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(pipeline.model))
+        if assistant is None:
+            raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
+                             f"(registered pairs: {DEFAULT_ASSISTANTS})")
+    return ArmRecipe(build_hf_arms, {"model": pipeline.model, "dtype": pipeline.dtype,
+                                     "max_seq_len": pipeline.max_seq_len,
+                                     "eos_token_ids": [int(t) for t in pipeline.tokenizer.eos_token_ids],
+                                     "assistant_model": assistant,
+                                     "fingerprint": weights_fingerprint(pipeline.target)}, group="hf")
+
+
+def build_hf_arms(methods: Sequence[str], model: str | None, dtype: torch.dtype, max_seq_len: int | None,
+                  eos_token_ids: Sequence[int], assistant_model: str | None, fingerprint: str) -> dict[str, HFArm]:
+    """The Hugging Face arms ``methods`` on ``model`` loaded again (in a worker process), sharing one transformers
+    copy of it. ``fingerprint`` (:func:`weights_fingerprint` of the bench's model) must match what loaded: the
+    reference arms run on exactly the bench's weights."""
+    from adaptree.models import load_model
+
+    target, _ = load_model(model, dtype=dtype, max_seq_len=max_seq_len)
+    if weights_fingerprint(target) != fingerprint:
+        raise ValueError(f"model {model or 'default'!r} loaded in the Hugging Face arms' worker holds other weights "
+                         "than the bench's model: load the bench's pipeline with adaptree.load")
+    hf = hf_twin(target)
+    del target
+    assistant = hf_twin(load_model(assistant_model, dtype=dtype)[0]) if assistant_model else None
+    return {m: HFArm(hf, m, eos_token_ids, assistant=assistant if m == "hf_assisted" else None) for m in methods}

@@ -10,7 +10,9 @@ llama.cpp from source: a C++ compiler and CMake, minutes on 2 cores); CI does no
 torch thread count for llama.cpp's threads (decode and prompt), runs the prompt's token ids as given (the same
 chat-templated ids as every other arm) and keeps the EOS token, as the engine does. llama.cpp computes with its
 own kernels on the quantized blocks, so its greedy text may differ from ours in a near-tie; the bench reports
-such an arm's agreement with ``ar`` like any other.
+such an arm's agreement with ``ar`` like any other. The bench runs each llama.cpp arm in a worker process of its
+own (:mod:`adaptree.bench.isolation`, :func:`llama_cpp_recipe`): a llama.cpp built for another CPU can die with
+SIGILL, which then drops the arm instead of ending the bench.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from adaptree.bench.isolation import ArmRecipe
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
+
+if TYPE_CHECKING:
+    from adaptree.api import Pipeline
+    from adaptree.bench.runner import BenchConfig
 
 LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_lookup")
 
@@ -33,6 +41,28 @@ def llama_cpp_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _needs_llama_cpp(method: str) -> str:
+    return f"the {method} arm needs llama-cpp-python: pip install 'adaptree[llama-cpp]'"
+
+
+def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: Pipeline) -> ArmRecipe:
+    """How the bench's worker builds ``method`` (:func:`build_llama_cpp_arms`); a missing llama-cpp-python or GGUF
+    file fails here, in the bench's process."""
+    if not llama_cpp_available():
+        raise ValueError(_needs_llama_cpp(method))
+    from adaptree.models.assets import gguf_file
+
+    return ArmRecipe(build_llama_cpp_arms, {"gguf_path": str(gguf_file(pipeline.model, f"the {method} arm")),
+                                            "eos_token_ids": [int(t) for t in pipeline.tokenizer.eos_token_ids],
+                                            "n_ctx": pipeline.engine.max_len})
+
+
+def build_llama_cpp_arms(methods: Sequence[str], gguf_path: str, eos_token_ids: Sequence[int],
+                         n_ctx: int) -> dict[str, LlamaCppArm]:
+    """The llama.cpp arms ``methods`` on ``gguf_path`` (in a worker process, on the bench's torch thread count)."""
+    return {m: LlamaCppArm(gguf_path, m, eos_token_ids, n_ctx=n_ctx) for m in methods}
 
 
 class LlamaCppArm:
@@ -46,7 +76,7 @@ class LlamaCppArm:
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError:
-            raise ValueError(f"the {method} arm needs llama-cpp-python: pip install 'adaptree[llama-cpp]'") from None
+            raise ValueError(_needs_llama_cpp(method)) from None
         threads = threads or torch.get_num_threads()
         draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if method == "llama_cpp_lookup" else None
         self.method = method

@@ -159,6 +159,8 @@ def print_table(summary: dict) -> None:
           f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
+    for m, why in (summary.get("dropped_arms") or {}).items():
+        print(f"{m}: {why}; arm dropped")
     if summary.get("oracle"):
         from adaptree.bench.oracle_section import print_section
 
@@ -237,6 +239,9 @@ def write_report(summary: dict, out: Path) -> None:
         from adaptree.bench.oracle_section import report_lines
 
         lines += [""] + report_lines(summary["oracle"])
+    if summary.get("dropped_arms"):
+        lines += ["", "## Dropped arms", "", "Their runs after the failure were not made (a rerun of the same command "
+                  "tries them again).", ""] + [f"- {m}: {why}" for m, why in summary["dropped_arms"].items()]
     if summary.get("skipped"):
         lines += ["", "## Skipped runs", ""] + [f"- {x['dataset']} {x['prompt_id']} turn {x['turn']} "
                                                    f"{x['method']}: {x['skipped']}" for x in summary["skipped"]]

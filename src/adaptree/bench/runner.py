@@ -2,7 +2,9 @@
 
 Methods are interleaved per prompt (machine drift hits every arm alike), their order rotated from one
 prompt to the next (no arm always runs first, after another prompt's arms, or last), batch size 1, after a
-warm-up; the autoregressive baseline runs on the same engine. Multi-turn prompts (MT-bench) follow the
+warm-up; the autoregressive baseline runs on the same engine. Reference arms (transformers, llama.cpp) run in worker
+processes (:mod:`adaptree.bench.isolation`): one that crashes is dropped with one line naming it and the signal, and
+the other arms, the records and the summary go on. Multi-turn prompts (MT-bench) follow the
 MT-bench protocol: each method's second turn sees that method's own first answer. Per-run records are
 appended to ``results.jsonl`` as they finish (a rerun with the same folder resumes and never duplicates
 or loses a record); ``summary.json``, ``report.md``, PNG plots and a printed table come at the end
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from adaptree.bench.hf_arms import DEFAULT_ASSISTANTS, HF_METHODS
-from adaptree.bench.llama_cpp_arm import LLAMA_CPP_METHODS
+from adaptree.bench import isolation
+from adaptree.bench.hf_arms import HF_METHODS, hf_recipe
+from adaptree.bench.isolation import ArmFailed, ArmRecipe, WorkerArm
+from adaptree.bench.llama_cpp_arm import LLAMA_CPP_METHODS, llama_cpp_recipe
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.offline.runs import check_out_dir
@@ -43,8 +48,11 @@ _RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "draft_
              "top_p", "top_k", "seed", "threads")
 
 
-REFERENCE_METHODS = (*HF_METHODS, *LLAMA_CPP_METHODS)
-"""Arms that are not the engine: transformers' generate and llama.cpp on the same weights."""
+REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, Pipeline], ArmRecipe]] = {
+    **dict.fromkeys(HF_METHODS, hf_recipe), **dict.fromkeys(LLAMA_CPP_METHODS, llama_cpp_recipe)}
+"""Arms that are not the engine (transformers' generate and llama.cpp on the same weights), by method name:
+``recipe(method, cfg, pipeline)`` checks the arm's input in the bench's process and says how a worker process builds
+the arm (:mod:`adaptree.bench.isolation`). Every one runs in a worker; a name added here is a valid bench method."""
 
 MAIN_JOB_METHODS = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar")
 """``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the static tree chosen for this machine, the
@@ -58,8 +66,9 @@ class BenchConfig:
 
     methods: list[str] = field(default_factory=lambda: list(MAIN_JOB_METHODS))
     """Arms: engine methods (ar, static, ...) and reference arms: Hugging Face (hf_generate, hf_prompt_lookup,
-    hf_assisted) and llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python). Must include
-    ``ar``: speedups are measured against it."""
+    hf_assisted) and llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python), which run in
+    worker processes (one that crashes is dropped, the rest go on). Must include ``ar``: speedups are measured
+    against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     """Benchmarks: mt_bench, humaneval, sharegpt, sharegpt_long (long pasted texts), code_edit (edits of HumanEval
     solutions)."""
@@ -98,7 +107,7 @@ class BenchConfig:
         from adaptree.data.prompts import DATASETS
         from adaptree.methods import METHODS
 
-        valid = (*METHODS, *REFERENCE_METHODS)
+        valid = (*METHODS, *REFERENCE_ARMS)
         if not self.methods:
             raise ValueError(f"no methods given; available: {', '.join(valid)}")
         for m in self.methods:
@@ -166,36 +175,15 @@ def _check_settings(out: Path, settings: dict) -> None:
 
 def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptions | None = None) -> dict[str, Arm]:
     """One arm per method of ``cfg``: the engine with the method's controller (its options from
-    ``method_options[method]``), or a Hugging Face reference."""
-    arms: dict[str, Arm] = {}
-    hf = None
+    ``method_options[method]``), or a reference arm of :data:`REFERENCE_ARMS`, served by a worker process that starts
+    on first use (:func:`bench_loop` starts them together and closes them)."""
+    recipes = {m: REFERENCE_ARMS[m](m, cfg, pipeline) for m in cfg.methods if m in REFERENCE_ARMS}
+    workers = isolation.worker_arms(recipes)
     engine = pipeline.engine
+    arms: dict[str, Arm] = {}
     for m in cfg.methods:
-        if m in LLAMA_CPP_METHODS:
-            from adaptree.bench.llama_cpp_arm import LlamaCppArm
-            from adaptree.models.assets import gguf_file
-
-            arms[m] = LlamaCppArm(gguf_file(pipeline.model, f"the {m} arm"), m, pipeline.tokenizer.eos_token_ids,
-                                  n_ctx=pipeline.engine.max_len)
-        elif m in HF_METHODS:
-            from adaptree.bench.hf_arms import HFArm, hf_twin
-
-            if pipeline.weights != "float":
-                raise ValueError(f"the {m} arm copies the float weights into transformers: use --weights float, not "
-                                 f"{pipeline.weights}")
-
-            hf = hf or hf_twin(pipeline.target)
-            assistant = None
-            if m == "hf_assisted":
-                name = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(pipeline.model))
-                if name is None:
-                    raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
-                                     f"(registered pairs: {DEFAULT_ASSISTANTS})")
-                from adaptree.models import load_model
-
-                small, _ = load_model(name, dtype=pipeline.dtype)
-                assistant = hf_twin(small)
-            arms[m] = HFArm(hf, m, pipeline.tokenizer.eos_token_ids, assistant=assistant)
+        if m in workers:
+            arms[m] = workers[m]
         else:
             ctl = pipeline.controller(m, **(method_options or {}).get(m, {}))
             arms[m] = (lambda c: lambda ids, n, s: engine.generate(ids, c, max_new_tokens=n, sampling=s))(ctl)
@@ -218,19 +206,24 @@ def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOption
         from adaptree.offline.latency import load_checked
 
         load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
-    if any(m not in REFERENCE_METHODS and m != "ar" for m in cfg.methods) and pipeline.head is None:
+    if any(m not in REFERENCE_ARMS and m != "ar" for m in cfg.methods) and pipeline.head is None:
         raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
     settings = _run_settings(cfg, pipeline)
     _check_settings(out, settings)
     arms = build_arms(cfg, pipeline, method_options)
     machine = machine_info()
     setup = pipeline.machine.to_dict() if pipeline.machine is not None else None
-    (out / CONFIG).write_text(json.dumps({"config": asdict(cfg), "settings": settings, "machine": machine,
-                                          "machine_setup": setup, "command": command}, indent=2))
-    rows = bench_loop(cfg, arms, pipeline.encode, pipeline.tokenizer.decode, sets, max_len=pipeline.engine.max_len)
+    saved = {"config": asdict(cfg), "settings": settings, "machine": machine, "machine_setup": setup,
+             "command": command}
+    (out / CONFIG).write_text(json.dumps(saved, indent=2))
+    dropped: dict[str, str] = {}
+    rows = bench_loop(cfg, arms, pipeline.encode, pipeline.tokenizer.decode, sets, max_len=pipeline.engine.max_len,
+                      dropped=dropped)
+    if dropped:  # `adaptree report` says it again
+        (out / CONFIG).write_text(json.dumps({**saved, "dropped_arms": dropped}, indent=2))
     if cfg.oracle_latency:
         run_oracle(cfg, pipeline, out, sets, method_options)
-    summary = finish(cfg, rows, out, settings, command, machine, setup)
+    summary = finish(cfg, rows, out, settings, command, machine, setup, dropped)
     print_table(summary)
     write_report(summary, out)
     print(f"wrote {out / RESULTS}, {out / SUMMARY} and {out / 'report.md'} (+ plots)")
@@ -244,7 +237,7 @@ def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
     from adaptree.bench import oracle_section as osec
 
     options = method_options or {}
-    engine_methods = [m for m in cfg.methods if m not in REFERENCE_METHODS]
+    engine_methods = [m for m in cfg.methods if m not in REFERENCE_ARMS]
     static = options.get("static", {})
     settings = osec.trace_settings(cfg, pipeline.tokenizer.eos_token_ids, pipeline.max_seq_len,
                                    widths=(static.get("width") or 10,), max_depth=max(12, static.get("depth") or 0))
@@ -255,16 +248,17 @@ def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
 
 
 def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, command: str | None,
-           machine: dict | None, machine_setup: dict | None = None) -> dict:
+           machine: dict | None, machine_setup: dict | None = None, dropped: Mapping[str, str] | None = None) -> dict:
     """Write ``summary.json`` (metrics, configuration, settings with checksums, machine and what the machine setup
-    chose, command; with ``oracle_latency``, the oracle section of :mod:`adaptree.bench.oracle_section`)."""
+    chose, command, ``dropped_arms``: why each dropped arm was dropped; with ``oracle_latency``, the oracle section
+    of :mod:`adaptree.bench.oracle_section`)."""
     from adaptree.bench.oracle_section import merge
     from adaptree.bench.report import summarize
     from adaptree.core.machine import machine_info
 
     summary = _json_safe(summarize(rows, cfg))
     summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(),
-                   machine_setup=machine_setup, command=command)
+                   machine_setup=machine_setup, command=command, dropped_arms=dict(dropped or {}))
     if cfg.oracle_latency:
         section = merge(Path(out), rows, cfg.methods)
         if section is not None:
@@ -319,62 +313,118 @@ def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], re
             "cyc_depth": [c.depth for c in cyc], "cyc_size": [c.size for c in cyc]}
 
 
-def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int) -> list[dict]:
+def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int,
+               dropped: dict[str, str] | None = None) -> list[dict]:
     """Run every (prompt, repeat) through every arm, interleaved per prompt in an order rotated from one
     prompt to the next; append each record as it finishes. ``encode(messages) -> ids`` renders a
     conversation; ``decode(ids) -> str`` gives an answer back for the next turn. Returns the records of this
-    configuration (old ones included on resume)."""
+    configuration (old ones included on resume).
+
+    Reference arms' workers (:mod:`adaptree.bench.isolation`) start together before the first generation and are
+    closed at the end. An arm that fails (:class:`~adaptree.bench.isolation.ArmFailed`: its worker died, or it
+    raised) is dropped: one line on stderr names it, why (the signal) and the prompt, ``dropped[arm]`` keeps that
+    reason, its later runs are not made (a rerun tries them again) and the other arms go on."""
     from adaptree.data.chat import conversation_turns
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / RESULTS
     done = read_records(results)
+    dropped = {} if dropped is None else dropped
     jobs = [(ds, p, rep) for rep in range(cfg.repeats) for ds, ps in sets for p in ps]
     n_turns = {id(p): len(p.turns) if cfg.turns is None else min(cfg.turns, len(p.turns)) for _, p, _ in jobs}
     todo = sum(n_turns[id(p)] for _, p, _ in jobs) * len(arms)
-    remaining = todo - sum(1 for ds, p, rep in jobs for t in range(n_turns[id(p)]) for m in arms
-                           if (ds, p.id, t, m, rep) in done)
-    if cfg.warmup and remaining:  # every arm once: kernels, allocator, caches
-        warm = encode([{"role": "user", "content": "Hello!"}])
-        for arm in arms.values():
-            arm(warm, 8, cfg.sampling(0))
-    wanted = []
-    bar = tqdm(total=todo, initial=todo - remaining, desc="bench", unit="gen")
-    names = list(arms)
-    with results.open("a") as f:
-        for j, (ds, p, rep) in enumerate(jobs):
-            # Rotate the arms' order per prompt: a run's speed depends a little on what ran just before it
-            # (caches, allocator, clocks), up to ~10% between identical arms in a fixed order.
-            for m in names[j % len(names):] + names[:j % len(names)]:
-                arm = arms[m]
 
-                def answer(messages, m=m, arm=arm, ds=ds, p=p, rep=rep):
-                    turn = sum(1 for x in messages if x["role"] == "user") - 1
-                    key = (ds, p.id, turn, m, rep)
-                    if key not in done:
-                        ids = encode(messages)
-                        before = done.get((ds, p.id, turn - 1, m, rep), {})
-                        if "skipped" in before:  # the conversation cannot go on without the earlier answer
-                            row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
-                                   "prompt_tokens": len(ids), "skipped": f"turn {turn} was skipped"}
-                        elif len(ids) >= max_len:
-                            row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
-                                   "prompt_tokens": len(ids), "skipped": f"prompt has {len(ids)} tokens; the "
-                                   f"context limit is {max_len}"}
-                        else:
-                            row = _row(ds, p.id, turn, m, rep, ids, arm(ids, cfg.max_new_tokens, cfg.sampling(rep)))
-                        f.write(json.dumps(row) + "\n")
-                        f.flush()
-                        done[key] = row
-                        bar.update(1)
-                    return done[key]
+    def left(m: str) -> int:  # runs of arm m not recorded yet
+        return sum(1 for ds, p, rep in jobs for t in range(n_turns[id(p)]) if (ds, p.id, t, m, rep) not in done)
 
-                turns = conversation_turns(p, answer, max_turns=n_turns[id(p)],
+    remaining = sum(left(m) for m in arms)
+    bar = None
+
+    def drop_one(m: str, why: str) -> None:
+        if m not in dropped:
+            dropped[m] = why
+            tqdm.write(f"{m}: {why}; arm dropped", file=sys.stderr)
+            if bar is not None:
+                bar.total -= left(m)
+                bar.refresh()
+
+    def drop(m: str, why: str) -> None:
+        drop_one(m, why)
+        arm = arms[m]
+        if isinstance(arm, WorkerArm) and arm.worker.dead:  # a dead worker takes every arm it served with it
+            for n, other in arms.items():
+                if isinstance(other, WorkerArm) and other.worker is arm.worker:
+                    drop_one(n, f"{why} (running {m})")
+
+    workers = isolation.workers_of(arms.values())
+    try:
+        if remaining:
+            isolation.start(workers)
+            for m, arm in arms.items():
+                if isinstance(arm, WorkerArm) and arm.worker.dead:
+                    drop_one(m, arm.worker.failure)
+        if cfg.warmup and remaining:  # every arm once: kernels, allocator, caches
+            warm = encode([{"role": "user", "content": "Hello!"}])
+            for m, arm in arms.items():
+                if m not in dropped:
+                    try:
+                        arm(warm, 8, cfg.sampling(0))
+                    except ArmFailed as e:
+                        drop(m, f"{e} on the warm-up")
+        wanted = []
+        bar = tqdm(total=todo - sum(left(m) for m in dropped), initial=todo - remaining, desc="bench", unit="gen")
+        names = list(arms)
+        with results.open("a") as f:
+            for j, (ds, p, rep) in enumerate(jobs):
+                # Rotate the arms' order per prompt: a run's speed depends a little on what ran just before it
+                # (caches, allocator, clocks), up to ~10% between identical arms in a fixed order.
+                for m in names[j % len(names):] + names[:j % len(names)]:
+                    if m in dropped:
+                        continue
+                    arm = arms[m]
+
+                    def answer(messages, m=m, arm=arm, ds=ds, p=p, rep=rep):
+                        turn = sum(1 for x in messages if x["role"] == "user") - 1
+                        key = (ds, p.id, turn, m, rep)
+                        if key not in done:
+                            ids = encode(messages)
+                            before = done.get((ds, p.id, turn - 1, m, rep), {})
+                            if "skipped" in before:  # the conversation cannot go on without the earlier answer
+                                row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
+                                       "prompt_tokens": len(ids), "skipped": f"turn {turn} was skipped"}
+                            elif len(ids) >= max_len:
+                                row = {"dataset": ds, "prompt_id": p.id, "turn": turn, "method": m, "repeat": rep,
+                                       "prompt_tokens": len(ids), "skipped": f"prompt has {len(ids)} tokens; the "
+                                       f"context limit is {max_len}"}
+                            else:
+                                try:
+                                    res = arm(ids, cfg.max_new_tokens, cfg.sampling(rep))
+                                except ArmFailed as e:
+                                    raise ArmFailed(f"{e} on {_where(cfg, ds, p.id, turn, rep)}") from None
+                                row = _row(ds, p.id, turn, m, rep, ids, res)
+                            f.write(json.dumps(row) + "\n")
+                            f.flush()
+                            done[key] = row
+                            bar.update(1)
+                        wanted.append(key)
+                        return done[key]
+
+                    try:
+                        conversation_turns(p, answer, max_turns=n_turns[id(p)],
                                            to_text=lambda r: decode(r.get("token_ids", [])))
-                wanted += [_key(t.result) for t in turns]
-    bar.close()
+                    except ArmFailed as e:  # the turns it answered are kept
+                        drop(m, str(e))
+        bar.close()
+    finally:
+        for w in workers:
+            w.close()
     return [done[k] for k in wanted]
+
+
+def _where(cfg: BenchConfig, ds: str, prompt_id: str, turn: int, rep: int) -> str:
+    return (f"prompt {ds}/{prompt_id}" + (f" turn {turn + 1}" if turn else "")
+            + (f" repeat {rep}" if cfg.repeats > 1 else ""))
 
 
 def rebuild_report(folder: str | Path) -> dict:
@@ -393,7 +443,7 @@ def rebuild_report(folder: str | Path) -> dict:
     rows = [r for k, r in done.items() if (k[0], k[1]) in keep and k[2] < max_turns and k[3] in cfg.methods
             and k[4] < cfg.repeats]
     summary = finish(cfg, rows, out, saved["settings"], saved.get("command"), saved.get("machine"),
-                     saved.get("machine_setup"))
+                     saved.get("machine_setup"), saved.get("dropped_arms"))
     print_table(summary)
     write_report(summary, out)
     print(f"wrote {out / SUMMARY} and {out / 'report.md'} (+ plots)")
