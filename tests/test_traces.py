@@ -398,7 +398,7 @@ def test_store_resume(tmp_path, models):
     assert store.record(target, head, [("ds/0", [9, 9])], progress=False)["recorded"] == 1
     loaded = TraceStore(tmp_path).load_all()
     assert len(loaded) == 4 and {t.key for t in loaded} == {k for k, _ in items}
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".tmp-*"))  # no temporary file left
     res = simulate(StaticController(StaticConfig(3, 4, 10)), loaded)
     assert len(res.runs) == 4 and res.tau >= 1.0
 

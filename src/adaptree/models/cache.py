@@ -38,20 +38,18 @@ classes).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from adaptree.core.files import file_lock, remove_stale_tmp, tmp_name
 from adaptree.models.config import ModelConfig
 from adaptree.models.gguf_file import (
     gguf_config,
@@ -97,63 +95,8 @@ def cache_dir() -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
-# Locks and atomic writes
+# Locks and atomic writes (:mod:`adaptree.core.files`: file_lock, tmp_name, remove_stale_tmp)
 # ------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock (``flock``) on ``path``, held for the ``with`` block; a no-op where
-    ``fcntl`` does not exist."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def tmp_name(kind: str) -> str:
-    """A name for a temporary sibling to be renamed into place; :func:`remove_stale_tmp` recognises it."""
-    return f".tmp-{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def remove_stale_tmp(folder: Path, max_age_s: float = 6 * 3600) -> None:
-    """Remove temporary leftovers of interrupted writes in ``folder``: those of a dead process on this
-    host, or older than ``max_age_s``. Call it holding the folder's lock."""
-    if not folder.is_dir():
-        return
-    host = socket.gethostname()
-    for p in folder.glob(".tmp-*"):
-        parts = p.name.split("-")
-        stale = False
-        try:
-            pid, p_host = int(parts[-2]), "-".join(parts[2:-2])
-            if p_host == host and pid != os.getpid():
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    stale = True
-                except PermissionError:
-                    pass
-        except (ValueError, IndexError):
-            pass
-        try:
-            stale = stale or time.time() - p.stat().st_mtime > max_age_s
-        except OSError:
-            continue
-        if stale:
-            log.info("removing %s, left by an interrupted write", p)
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-
 
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:

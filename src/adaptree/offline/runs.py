@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from adaptree.core.files import atomic_path
+
 T = TypeVar("T")
 
 STATE_FILE, OPTIMIZER_FILE, RNG_FILE = "state.json", "optimizer.safetensors", "rng.safetensors"
@@ -57,10 +59,8 @@ def interrupt_on_terminate() -> Iterator[None]:
 
 def write_json(obj, path: str | os.PathLike, sort_keys: bool = False) -> None:
     """Write ``obj`` as indented JSON through a temporary file and a rename (never a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # a name of this write's own: concurrent writers never share it
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
 
 
 def read_json_as(path: str | os.PathLike, build: Callable[[Any], T], what: str) -> T:
@@ -138,10 +138,8 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
     temporary file and a rename (never a half-written file)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def tensor_metadata(path: str | os.PathLike) -> dict[str, str]:

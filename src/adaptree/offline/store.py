@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from adaptree.core.files import atomic_path
 from adaptree.offline.runs import write_json
 
 # --------------------------------------------------------------------------------------------------
@@ -119,12 +120,11 @@ def write_record(path: str | os.PathLike, arrays: Mapping[str, np.ndarray], meta
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-              metadata={meta_key: json.dumps(header, sort_keys=True)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+                  metadata={meta_key: json.dumps(header, sort_keys=True)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def read_header(path: str | os.PathLike, fmt: StoreFormat) -> dict:
