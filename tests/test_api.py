@@ -130,24 +130,52 @@ def test_assets_next_to_the_head_in_use_are_found(pipe, tiny_folders, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ layering
 
-PACKAGES = ("core", "models", "data", "offline", "methods", "head_training", "bench", "serve", "api", "cli")
+LAYERS = ("_lazy", "_version", "core", "models", "data", "offline", "methods", "head_training", "adapt", "bench",
+          "serve", "api", "adaptree", "cli")
+"""The package's layers, lowest first: a module imports only from its own layer or lower ones (at the top, in
+functions and under TYPE_CHECKING alike). ``_lazy`` and ``_version`` are the root package's helpers; ``adaptree``
+is the root package itself (it re-exports the API); ``cli`` is the command line on top of everything."""
+
+PACKAGES = tuple(name for name in LAYERS if not name.startswith("_") and name != "adaptree")
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _package(path: Path) -> list[str]:
+    """The package ``path``'s relative imports start from (``adaptree.x`` for ``adaptree/x/y.py`` and for
+    ``adaptree/x/__init__.py``)."""
+    return list(path.relative_to(SRC.parent).with_suffix("").parts[:-1])
+
+
+def _import_nodes(tree: ast.AST, package: list[str]):
+    """``(node, module)`` for every import in ``tree`` (relative ones resolved from ``package``), wherever it is."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                yield node, ".".join(base + ([node.module] if node.module else []))
+            else:
+                yield node, node.module or ""
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node, a.name
+
+
+def _ours(module: str) -> bool:
+    return module == "adaptree" or module.startswith("adaptree.")
 
 
 def _imports(path: Path) -> set[str]:
     """Every adaptree module ``path`` imports (top level, in functions and under TYPE_CHECKING)."""
-    package = list(path.relative_to(SRC.parent).with_suffix("").parts[:-1])
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            out.add(name)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return {n for n in out if n == "adaptree" or n.startswith("adaptree.")}
+    return {n for _, n in _import_nodes(ast.parse(path.read_text()), _package(path)) if _ours(n)}
+
+
+def _layer(module: str) -> str:
+    """The layer of an adaptree module: its top-level package (or root module), ``adaptree`` for the root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "adaptree"
 
 
 def _unit(module: str) -> str | None:
@@ -155,9 +183,13 @@ def _unit(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else None
 
 
+def _sources():
+    return sorted(SRC.rglob("*.py"))
+
+
 def test_the_library_never_imports_the_cli_and_packages_form_no_cycle():
     edges: dict[str, set[str]] = {p: set() for p in PACKAGES}
-    for path in SRC.rglob("*.py"):
+    for path in _sources():
         mod = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
         src = _unit(mod)
         if src is None:
@@ -186,6 +218,121 @@ def test_the_library_never_imports_the_cli_and_packages_form_no_cycle():
     assert "cli" not in set().union(*(edges[p] for p in PACKAGES if p != "cli"))
 
 
+def test_every_module_imports_only_its_own_layer_or_lower_ones():
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = []
+    for path in _sources():
+        src = _layer(_module(path))
+        assert src in rank, f"{path.relative_to(SRC)}: {src!r} has no place in LAYERS; add it where it belongs"
+        for node, dep in _import_nodes(ast.parse(path.read_text()), _package(path)):
+            if not _ours(dep):
+                continue
+            dst = _layer(dep)
+            assert dst in rank, f"{path.relative_to(SRC)}:{node.lineno} imports {dep}, which has no place in LAYERS"
+            if rank[dst] > rank[src]:
+                upward.append(f"{path.relative_to(SRC)}:{node.lineno} ({src}) imports {dep} ({dst})")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _owner(module: str) -> str:
+    """The layer a private name in ``module`` belongs to; a private module of the root package (``adaptree._lazy``)
+    belongs to the whole package."""
+    parts = module.split(".")
+    return "adaptree" if len(parts) > 1 and _private(parts[1]) else _layer(module)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:])
+    return (SRC / rel).with_suffix(".py").is_file() or (SRC / rel / "__init__.py").is_file()
+
+
+def _private_uses(source: str, module: str, package: list[str]) -> list[str]:
+    """Private names (a leading underscore) of another layer that the module ``module`` (its ``source``) imports,
+    or reads as an attribute of a module it imported (``from adaptree.x import y; y._z``)."""
+    src = _layer(module)
+    tree = ast.parse(source)
+    found, modules = [], {}  # modules: local name -> the adaptree module it is bound to
+    for node, dep in _import_nodes(tree, package):
+        if not _ours(dep):
+            continue
+        foreign = _owner(dep) not in ("adaptree", src)
+        if foreign and any(_private(p) for p in dep.split(".")[2:]):
+            found.append(f"{module}:{node.lineno} imports the private module {dep}")
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if _is_module(f"{dep}.{a.name}"):
+                    modules[a.asname or a.name] = f"{dep}.{a.name}"
+                elif foreign and _private(a.name):
+                    found.append(f"{module}:{node.lineno} imports {a.name} from {dep}")
+        else:
+            for a in node.names:
+                if a.name == dep:  # ``import adaptree.x.y`` binds adaptree, ``import adaptree.x.y as m`` binds m
+                    modules[a.asname or "adaptree"] = dep if a.asname else "adaptree"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in modules:
+            owner = ".".join([modules[value.id], *reversed(chain)])
+            if _is_module(owner) and _owner(owner) not in ("adaptree", src):
+                found.append(f"{module}:{node.lineno} reads {owner}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_layers_private_names():
+    found = [use for path in _sources()
+             for use in _private_uses(path.read_text(), _module(path), _package(path))]
+    assert not found, "private names used across packages (make them public or move them):\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_imports_and_attributes():
+    """The check itself: a module of ``cli`` importing ``api._load`` or reading ``adaptree.api._prepare`` is caught; a
+    private name of its own package and the root package's helpers are not."""
+    source = ("from adaptree.api import _load\nimport adaptree.api\nfrom adaptree._lazy import lazy_exports\n"
+              "from adaptree.cli.common import _x\nfrom . import common\ncommon._y\nadaptree.api._prepare\n")
+    found = _private_uses(source, "adaptree.cli.probe", ["adaptree", "cli"])
+    assert len(found) == 2, found
+    assert "imports _load from adaptree.api" in found[0] and "reads adaptree.api._prepare" in found[1]
+
+
+def test_the_pipeline_is_what_adapt_bench_and_serve_type_their_pipeline_as(pipe):
+    """:class:`adaptree.api.Pipeline` satisfies :class:`~adaptree.core.pipeline.PipelineLike`: an instance passes
+    the runtime check, and every method and property the protocol names is one of Pipeline's, taking the
+    protocol's parameters."""
+    import inspect
+
+    from adaptree.api import Pipeline
+    from adaptree.core.pipeline import PipelineLike
+
+    assert isinstance(pipe, PipelineLike)
+    members = [n for n, v in vars(PipelineLike).items() if not n.startswith("_") and (callable(v) or
+                                                                                       isinstance(v, property))]
+    assert {"encode", "controller", "settings", "execution", "model_label"} <= set(members)
+    for name in members:
+        ours, theirs = vars(PipelineLike)[name], inspect.getattr_static(Pipeline, name)
+        assert isinstance(theirs, property) == isinstance(ours, property), name
+        if isinstance(ours, property):
+            continue
+        want, have = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+        for p in want.values():
+            assert p.name in have and have[p.name].kind == p.kind and have[p.name].default == p.default, (name, p)
+    for name in PipelineLike.__annotations__:  # data attributes: set on every pipeline
+        assert hasattr(pipe, name), name
+
+    # without ``execution`` an object is not a pipeline for adapt, bench or serve
+    partial = type("Partial", (), {n: inspect.getattr_static(Pipeline, n) for n in members if n != "execution"})()
+    for name in PipelineLike.__annotations__:
+        setattr(partial, name, getattr(pipe, name))
+    assert not isinstance(partial, PipelineLike)
+
+
 def test_the_top_level_exports_resolve():
     for name in adaptree.__all__:
         assert getattr(adaptree, name) is not None
@@ -195,7 +342,7 @@ def test_the_top_level_exports_resolve():
 def test_load_without_adapting_never_measures(tiny_folders, tmp_path, monkeypatch):
     """adapt=False: no measurement (no cache folder appears), dtype auto falls back without timing, default ar."""
     import adaptree
-    from adaptree.adapt.setup import fallback_dtype
+    from adaptree.adapt.execution import fallback_dtype
 
     model, head = tiny_folders
     cache = tmp_path / "cache"

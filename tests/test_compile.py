@@ -11,7 +11,8 @@ import torch
 import torch._dynamo
 from conftest import PROMPTS, tiny_head, tiny_target
 
-from adaptree.adapt.setup import COMPILE_SIZES, compile_tokens, machines_dir
+from adaptree.adapt.cache import machines_dir
+from adaptree.adapt.compile import COMPILE_SIZES, compile_tokens
 from adaptree.core.engine import Engine
 from adaptree.methods import StaticConfig, StaticController
 from adaptree.offline.latency import random_tree

@@ -140,7 +140,7 @@ def test_attention_dtype_runs_cache_and_attention_in_float32(tiny_gguf_file):
 
 
 def test_execution_candidates(tiny_gguf_file, tmp_path):
-    from adaptree.adapt.setup import execution_candidates
+    from adaptree.adapt.execution import execution_candidates
 
     assert execution_candidates(tiny_gguf_file) == ("bfloat16", "bfloat16+int4", "float32")
     assert execution_candidates(tiny_gguf_file, dtype="float32") == ("float32",)
@@ -154,7 +154,8 @@ def test_execution_candidates(tiny_gguf_file, tmp_path):
 
 
 def test_load_int4_needs_a_gguf_model(tmp_path):
-    from adaptree.api import load, parse_execution
+    from adaptree.adapt.execution import parse_execution
+    from adaptree.api import load
 
     folder = tmp_path / "hf"
     folder.mkdir()

@@ -18,13 +18,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from adaptree._lazy import lazy_exports
-
-__version__ = "0.1.0"
+from adaptree._version import __version__
 
 _EXPORTS = {
     "load": "adaptree.api", "Pipeline": "adaptree.api", "Generation": "adaptree.api", "Stream": "adaptree.api",
-    "DTYPES": "adaptree.api", "SamplingConfig": "adaptree.core.verify", "GenerationResult": "adaptree.core.records",
-    "CycleRecord": "adaptree.core.records", "Controller": "adaptree.core.controller",
+    "DTYPES": "adaptree.adapt.execution", "SamplingConfig": "adaptree.core.verify",
+    "GenerationResult": "adaptree.core.records", "CycleRecord": "adaptree.core.records",
+    "Controller": "adaptree.core.controller",
     "TreePlan": "adaptree.core.controller", "METHODS": "adaptree.methods", "make_controller": "adaptree.methods",
     "MissingAssetError": "adaptree.methods",
 }
@@ -33,7 +33,8 @@ __all__ = ["__version__", "load", "Pipeline", "Generation", "Stream", "DTYPES", 
            "CycleRecord", "Controller", "TreePlan", "METHODS", "make_controller", "MissingAssetError"]
 
 if TYPE_CHECKING:
-    from adaptree.api import DTYPES, Generation, Pipeline, Stream, load
+    from adaptree.adapt.execution import DTYPES
+    from adaptree.api import Generation, Pipeline, Stream, load
     from adaptree.core.controller import Controller, TreePlan
     from adaptree.core.records import CycleRecord, GenerationResult
     from adaptree.core.verify import SamplingConfig

@@ -7,7 +7,9 @@
     for piece in p.stream([{"role": "user", "content": "Hi!"}], method="static", max_new_tokens=32):
         print(piece, end="")
 
-The command line, the benchmark and the trainers' commands all load models and build controllers here.
+The command line, the benchmark and the trainers' commands all load models and build controllers here; the
+measurements behind ``"auto"`` (execution mode, attention dtype, compiling, the machine setup) are
+:mod:`adaptree.adapt`'s.
 """
 
 from __future__ import annotations
@@ -21,48 +23,29 @@ from typing import Any
 
 import torch
 
+from adaptree.adapt.attention import attention_dtype
+from adaptree.adapt.cache import say
+from adaptree.adapt.compile import COMPILE_MODES, compile_tokens
+from adaptree.adapt.execution import (
+    WEIGHTS,
+    cached_execution,
+    choose_execution,
+    dtype_of,
+    execution_candidates,
+    execution_name,
+    fallback_execution,
+    parse_execution,
+)
+from adaptree.adapt.setup import AdaptConfig, AdaptError, MachineSetup, adapt_enabled, find_setup
+from adaptree.adapt.setup import adapt as adapt_to_machine  # ``adapt`` is load's flag
 from adaptree.core.controller import Controller
 from adaptree.core.engine import Engine
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.methods import make_controller
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names :func:`load` takes (and ``"auto"``: chosen by measurement on this machine)."""
-
-WEIGHTS = ("float", "int4")
-"""How :func:`load` runs the weights: ``float`` (dequantised to the dtype) or ``int4`` (a GGUF model's own 4-bit
-blocks run by PyTorch's int4 CPU kernel, :mod:`adaptree.models.quant`); ``"auto"``: chosen by measurement."""
-
-
-def execution_name(dtype: str, weights: str = "float") -> str:
-    """An execution mode's name: the dtype, with ``+int4`` when the weights run packed (``"bfloat16+int4"``)."""
-    return dtype if weights == "float" else f"{dtype}+{weights}"
-
-
-def parse_execution(name: str) -> tuple[str, str]:
-    """``"bfloat16+int4"`` -> ``("bfloat16", "int4")``; a ValueError names a bad mode."""
-    dtype, _, weights = name.partition("+")
-    weights = weights or "float"
-    if dtype not in DTYPES or weights not in WEIGHTS:
-        raise ValueError(f"execution mode {name!r} is not one of dtype[+weights] with dtype in {', '.join(DTYPES)} "
-                         f"and weights in {', '.join(WEIGHTS)}")
-    return dtype, weights
-
 Messages = Sequence[dict[str, str]]
 """A conversation: ``[{"role": "user", "content": "..."}, ...]``."""
-
-
-def dtype_of(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"`` (or a torch dtype) -> the torch dtype; a ValueError names a bad one."""
-    if isinstance(name, torch.dtype):
-        if name not in DTYPES.values():
-            raise ValueError(f"dtype {name} is not supported; use one of {', '.join(DTYPES)}")
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
 
 
 def _from_result(name: str, doc: str) -> property:
@@ -173,10 +156,10 @@ class Pipeline:
         """The head's folder: learned methods' policies and the tuned static tree are found next to it."""
         self.dtype = dtype
         self.weights = weights
-        """``float`` or ``int4`` (:data:`WEIGHTS`)."""
+        """``float`` or ``int4`` (:data:`~adaptree.adapt.execution.WEIGHTS`)."""
         self.max_seq_len = max_seq_len
         self.engine = Engine(target, head, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=max_seq_len)
-        self.machine = None
+        self.machine: MachineSetup | None = None
         """This machine's setup (:class:`~adaptree.adapt.MachineSetup`: latency model, static tree, default method),
         set by :func:`load` or :meth:`adapt`; None: nothing measured here yet."""
 
@@ -217,12 +200,10 @@ class Pipeline:
             return "ar"
         return self.machine.default_method
 
-    def adapt(self, config=None, *, force: bool = False, progress: bool = True):
+    def adapt(self, config: AdaptConfig | None = None, *, force: bool = False, progress: bool = True) -> MachineSetup:
         """Measure this machine for this model, head, dtype and thread count (:func:`adaptree.adapt.adapt`: latency
         model, traces, static tree, default method), or take the cached result; sets and returns :attr:`machine`."""
-        from adaptree.adapt import adapt
-
-        self.machine = adapt(self, config, force=force, progress=progress)
+        self.machine = adapt_to_machine(self, config, force=force, progress=progress)
         return self.machine
 
     @property
@@ -241,7 +222,8 @@ class Pipeline:
 
     @property
     def execution(self) -> str:
-        """The execution mode (:func:`execution_name`: ``"bfloat16"``, ``"bfloat16+int4"``, ...)."""
+        """The execution mode (:func:`~adaptree.adapt.execution.execution_name`: ``"bfloat16"``,
+        ``"bfloat16+int4"``, ...)."""
         return execution_name(self.dtype_name, self.weights)
 
     def use_chat(self, chat: bool | None = None) -> bool:
@@ -332,7 +314,7 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         model's own 4-bit blocks, :mod:`adaptree.models.quant`; CPU only).
     :param compile: ``"auto"`` (decode steps and small trees run through ``torch.compile`` up to the tree size where
         it measured faster on this machine, cached; eager without a measurement), ``"on"`` or ``"off"``
-        (:func:`adaptree.adapt.setup.compile_tokens`). Compiling costs seconds once per process, on the first
+        (:func:`adaptree.adapt.compile.compile_tokens`). Compiling costs seconds once per process, on the first
         generation.
     :param device: ``"cpu"`` or a CUDA device.
     :param threads: torch's CPU threads; torch's setting is process-wide, so this changes it for the whole
@@ -343,9 +325,6 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         bfloat16 where the hardware has native bfloat16 and float32 elsewhere, and the default method is ``ar``.
     :param progress: progress bars while measuring.
     """
-    from adaptree.adapt.setup import (COMPILE_MODES, AdaptError, adapt_enabled, cached_execution, choose_execution,
-                                      execution_candidates, fallback_execution, find_setup, say)
-
     if threads is not None:  # first: the thread count is part of the machine profile
         if int(threads) < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -364,15 +343,14 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_execution(lambda m: _load(model, head, m, device, max_seq_len, measure, compile),
-                                        candidates,
-                                        model, head, device, max_seq_len, progress=progress)
+                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, compile),
+                                        candidates, model, head, device, max_seq_len, progress=progress)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False
         mode = (cached_execution(candidates, model, head, device, max_seq_len)
                 or fallback_execution(candidates, device))
-    p = _load(model, head, mode, device, max_seq_len, measure, compile)
+    p = load_execution(model, head, mode, device, max_seq_len, measure, compile)
     if p.head is not None and not measure:
         p.machine = find_setup(p)
     elif p.head is not None:
@@ -383,8 +361,12 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
     return p
 
 
-def _load(model, head, mode: str, device, max_seq_len, measure: bool = False, compile: str = "off") -> Pipeline:
-    from adaptree.adapt.setup import attention_dtype, compile_tokens
+def load_execution(model: str | Path | None, head: str | Path | None, mode: str, device: str | torch.device = "cpu",
+                   max_seq_len: int | None = None, measure: bool = False, compile: str = "off") -> Pipeline:
+    """The pipeline of ``model`` and ``head`` (as :func:`load` takes them) in the execution mode ``mode``
+    (``"bfloat16+int4"``, ...), not adapted: its attention dtype and compiled sizes are the cached ones, measured
+    now when ``measure`` and none is cached. What :func:`load` and ``adaptree adapt`` load each candidate mode
+    with."""
     from adaptree.models import load_model, shipped_head
     from adaptree.models.eagle3 import Eagle3Head
     from adaptree.models.llama import set_attention_dtype

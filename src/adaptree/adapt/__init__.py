@@ -13,22 +13,45 @@ caches under ``$ADAPTREE_CACHE/machines``:
 
 The traces (greedy, machine-independent: acceptance does not depend on the hardware) and the acceptance
 calibration of ``costaware`` are cached once per model and head under ``$ADAPTREE_CACHE/traces``.
-:func:`~adaptree.adapt.setup.choose_execution` is ``dtype="auto"`` / ``weights="auto"``: it adapts each candidate
-execution mode (bfloat16, float32, bfloat16 with the GGUF's int4 weights) and keeps the one whose best method models
-fastest; :func:`~adaptree.adapt.setup.attention_dtype` times attention in the model's dtype against float32. :func:`adaptree.load` runs both on first use unless told not to.
+
+The package, by job:
+
+- :mod:`~adaptree.adapt.setup`: the machine setup (:class:`~adaptree.adapt.setup.MachineSetup`,
+  :func:`~adaptree.adapt.setup.adapt`, :func:`~adaptree.adapt.setup.find_setup`, the default method's live check);
+- :mod:`~adaptree.adapt.execution`: the execution mode (:data:`~adaptree.adapt.execution.DTYPES`,
+  :func:`~adaptree.adapt.execution.execution_name`, ...); :func:`~adaptree.adapt.execution.choose_execution` is
+  ``dtype="auto"`` / ``weights="auto"``: it adapts each candidate execution mode (bfloat16, float32, bfloat16 with
+  the GGUF's int4 weights) and keeps the one whose best method models fastest;
+- :mod:`~adaptree.adapt.attention`: :func:`~adaptree.adapt.attention.attention_dtype` times attention in the
+  model's dtype against float32;
+- :mod:`~adaptree.adapt.compile`: :func:`~adaptree.adapt.compile.compile_tokens` times ``torch.compile``'d
+  forwards against eager ones;
+- :mod:`~adaptree.adapt.cache`: where all of it is cached, keyed and locked (one process measures, others wait
+  and reuse what it measured).
+
+:func:`adaptree.load` runs them on first use unless told not to.
 """
 
+from adaptree.adapt.attention import attention_dtype
+from adaptree.adapt.cache import machines_dir
+from adaptree.adapt.compile import compile_tokens
+from adaptree.adapt.execution import (
+    DTYPES,
+    WEIGHTS,
+    choose_execution,
+    dtype_of,
+    execution_name,
+    parse_execution,
+)
 from adaptree.adapt.setup import (
     AdaptConfig,
     AdaptError,
     MachineSetup,
     adapt,
-    attention_dtype,
-    choose_execution,
     find_setup,
     fingerprint,
-    machines_dir,
 )
 
 __all__ = ["AdaptConfig", "AdaptError", "MachineSetup", "adapt", "attention_dtype", "choose_execution", "find_setup",
-           "fingerprint", "machines_dir"]
+           "fingerprint", "machines_dir", "DTYPES", "WEIGHTS", "execution_name", "parse_execution", "dtype_of",
+           "compile_tokens"]

@@ -5,6 +5,10 @@ and oneDNN's kernel levels, cores, torch threads and version, GPU), the device, 
 target's and the head's weights. Its folder is named by the fingerprint's digest, so a change of any field
 (another CPU, ``ATEN_CPU_CAPABILITY=avx2``, another thread count, a retrained head) finds no setup and makes a
 new one; :func:`find_setup` also compares the stored fingerprint field by field.
+
+A setup is whole or absent: one process measures it while others wait at its lock
+(:func:`~adaptree.adapt.cache.measure_lock`) and then find it; its files are written first, each through a
+temporary file of its own, and ``setup.json`` last, listing their sha256, which :func:`find_setup` checks.
 """
 
 from __future__ import annotations
@@ -13,20 +17,20 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 
-import torch
+from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, say, traces_dir
+from adaptree.core.pipeline import PipelineLike
 
-from adaptree.core.engine import synchronize
-
-SETUP_VERSION = 3
+SETUP_VERSION = 4
 """2: the default method is confirmed live against AR (:func:`confirm_default`); 3: ``ngram`` and ``hybrid`` are
-candidates for the default too. A setup of an older version is measured again."""
+candidates for the default too; 4: ``setup.json`` lists the sha256 of the setup's files (:attr:`MachineSetup.files`).
+A setup of an older version is measured again."""
+SETUP_FILES = ("latency.json", "static_gs.json")
+"""The files of a setup folder that ``setup.json`` lists with their sha256."""
 ADAPT_ENV = "ADAPTREE_ADAPT"
 """``ADAPTREE_ADAPT=0`` turns the automatic adaptation of :func:`adaptree.load` off (a cached setup is still used)."""
 
@@ -49,39 +53,7 @@ def adapt_enabled(flag: bool | None = None) -> bool:
     return os.environ.get(ADAPT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def say(message: str) -> None:
-    """One line on stderr (what adapting prints; progress bars go there too)."""
-    print(f"adaptree: {message}", file=sys.stderr, flush=True)
-
-
-def machines_dir() -> Path:
-    """``<cache>/machines`` (``$ADAPTREE_CACHE``, default ``~/.cache/adaptree``)."""
-    from adaptree.models.cache import cache_dir
-
-    return cache_dir() / "machines"
-
-
-def traces_dir() -> Path:
-    from adaptree.models.cache import cache_dir
-
-    return cache_dir() / "traces"
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def machine_fields() -> dict:
-    """The machine part of a fingerprint: :func:`~adaptree.core.machine.machine_profile` without the OS build
-    string (a kernel update does not change which kernels torch runs)."""
-    from adaptree.core.machine import machine_profile
-
-    prof = machine_profile()
-    prof.pop("platform", None)
-    return prof
-
-
-def fingerprint(pipeline) -> dict:
+def fingerprint(pipeline: PipelineLike) -> dict:
     """What a setup of ``pipeline`` is valid for: the machine fields, device, dtype, the target's and the head's
     weight digests (dtype included)."""
     from adaptree.offline.store import head_fingerprint, model_fingerprint
@@ -162,6 +134,9 @@ class MachineSetup:
     confirmed: dict = field(default_factory=dict)
     """The live check of the default (:func:`confirm_default`): ``{"rounds", "tokens", "ar_tokens_per_s",
     "methods": {name: {"speedup", "rounds": [...]}}}``; empty when it did not run."""
+    files: dict = field(default_factory=dict)
+    """File name -> sha256 of the setup's files (:data:`SETUP_FILES`), written before ``setup.json``: a setup whose
+    files are missing or differ (half of one measurement, half of another) is not used."""
 
     @property
     def latency_path(self) -> Path:
@@ -174,6 +149,11 @@ class MachineSetup:
     @property
     def acceptance_path(self) -> Path | None:
         return Path(self.traces) / "acceptance.json" if self.traces else None
+
+    def whole(self) -> bool:
+        """Every file of :data:`SETUP_FILES` is in :attr:`folder` with the sha256 that ``setup.json`` lists."""
+        return sorted(self.files) == sorted(SETUP_FILES) and all(
+            file_sha256(self.folder / name) == sha for name, sha in self.files.items())
 
     @property
     def assets(self) -> dict[str, str]:
@@ -245,22 +225,30 @@ def machine_assets(folder: Path, acceptance: Path | None) -> dict[str, str]:
     return out
 
 
-def find_setup(pipeline, fp: dict | None = None) -> MachineSetup | None:
-    """The cached setup valid for ``pipeline`` on this machine (None if there is none or it is stale)."""
+def file_sha256(path: Path) -> str | None:
+    """The sha256 of a (small) file; None when it cannot be read."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def find_setup(pipeline: PipelineLike, fp: dict | None = None) -> MachineSetup | None:
+    """The cached setup valid for ``pipeline`` on this machine (None if there is none, it is stale or not
+    whole)."""
     fp = fingerprint(pipeline) if fp is None else fp
     folder = machines_dir() / digest(fp)
     try:
         setup = MachineSetup.read(folder)
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if setup.fingerprint != json.loads(json.dumps(fp)) or not setup.latency_path.is_file() \
-            or not setup.static_gs_path.is_file():
+    if setup.fingerprint != json.loads(json.dumps(fp)) or not setup.whole():
         return None
     _complete(setup, pipeline)
     return setup
 
 
-def _complete(setup: MachineSetup, pipeline) -> None:
+def _complete(setup: MachineSetup, pipeline: PipelineLike) -> None:
     """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``, with
     its rates at :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
     the sampled rates, outputs sampled from their prompts; about 90 s on the default model)."""
@@ -301,7 +289,7 @@ def fit_lengths(lengths: Sequence[int], max_len: int, max_size: int) -> tuple[in
     return (lo, hi) if hi > lo else (max(1, hi // 2), hi)
 
 
-def tuning_prompt_ids(pipeline, n: int) -> list[tuple[str, list[int]]]:
+def tuning_prompt_ids(pipeline: PipelineLike, n: int) -> list[tuple[str, list[int]]]:
     """``n`` tuning prompts (never a benchmark prompt) as ``(key, ids)``, through the chat template when the model
     has one."""
     from adaptree.methods.static.tune import tuning_prompts
@@ -310,9 +298,10 @@ def tuning_prompt_ids(pipeline, n: int) -> list[tuple[str, list[int]]]:
     return [(f"{p.dataset}/{p.id}", pipeline.encode(p.turns[0], chat)) for p in tuning_prompts(n)]
 
 
-def _traces(pipeline, cfg: AdaptConfig, folder: Path | None, prompt_ids, progress: bool):
+def _traces(pipeline: PipelineLike, cfg: AdaptConfig, folder: Path | None, prompt_ids, progress: bool):
     """The greedy traces the choice is made on: ``folder`` (reused as it is when it already holds traces, e.g. the
-    other dtype's), else the cache's folder of this model and head, recorded there if missing."""
+    other dtype's), else the cache's folder of this model and head, recorded there if missing (under its lock:
+    setups of other execution modes share the folder)."""
     from adaptree.offline.store import head_fingerprint, model_fingerprint
     from adaptree.offline.traces import TraceSettings, TraceStore, open_store_for
 
@@ -324,18 +313,24 @@ def _traces(pipeline, cfg: AdaptConfig, folder: Path | None, prompt_ids, progres
     settings = TraceSettings(widths=(cfg.width,), max_depth=cfg.max_depth, max_new_tokens=cfg.max_new_tokens,
                              eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
                              feature_dtype="none")
-    store = open_store_for(folder, pipeline.target, pipeline.head, settings)
     keyed = prompt_ids if prompt_ids is not None else tuning_prompt_ids(pipeline, cfg.prompts)
-    store.record(pipeline.target, pipeline.head, keyed, progress=progress)
+    with measure_lock(Path(folder)):
+        store = open_store_for(folder, pipeline.target, pipeline.head, settings)
+        store.record(pipeline.target, pipeline.head, keyed, progress=progress)
     keys = {k for k, _ in keyed}
     return Path(folder), [t for t in store.load_all() if t.key in keys]
 
 
-def _acceptance(folder: Path, traces, pipeline, message: Callable[[str], None] | None = None) -> Path:
+def _acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[[str], None] | None = None) -> Path:
     """``costaware``'s acceptance calibration of the traces in ``folder`` and ``hybrid``'s chain calibration
     (``chain.json``: greedy rates from the traces, combined with rates at each of
     :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES` from outputs sampled from the traces' prompts;
-    fitted once, kept next to them)."""
+    fitted once, kept next to them, under the folder's lock)."""
+    with measure_lock(folder):
+        return _fit_acceptance(folder, traces, pipeline, message)
+
+
+def _fit_acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[[str], None] | None) -> Path:
     from adaptree.methods.costaware.acceptance import AcceptanceCalibration
     from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
@@ -360,7 +355,7 @@ def _acceptance(folder: Path, traces, pipeline, message: Callable[[str], None] |
     return path
 
 
-def _model_methods(pipeline, cfg: AdaptConfig, traces, latency, assets: dict[str, str]) -> dict:
+def _model_methods(pipeline: PipelineLike, cfg: AdaptConfig, traces, latency, assets: dict[str, str]) -> dict:
     from adaptree.methods import make_controller
     from adaptree.offline.simulator import simulate
 
@@ -381,10 +376,11 @@ def _model_methods(pipeline, cfg: AdaptConfig, traces, latency, assets: dict[str
     return out
 
 
-def adapt(pipeline, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
+def adapt(pipeline: PipelineLike, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
           traces: str | os.PathLike | None = None, prompt_ids: Sequence[tuple[str, Sequence[int]]] | None = None,
           message: Callable[[str], None] = say) -> MachineSetup:
-    """The setup of ``pipeline`` on this machine: the cached one (:func:`find_setup`), else made now and cached.
+    """The setup of ``pipeline`` on this machine: the cached one (:func:`find_setup`), else made now and cached (one
+    process measures; others wait for it and take its setup).
 
     :param force: measure again even when a valid setup is cached.
     :param traces: a trace folder to replay instead of the cache's (used as it is when it exists).
@@ -399,13 +395,18 @@ def adapt(pipeline, cfg: AdaptConfig | None = None, *, force: bool = False, prog
         found = find_setup(pipeline, fp)
         if found is not None:
             return found
-    try:
-        return _measure(pipeline, cfg, fp, traces, prompt_ids, progress, message)
-    except (ValueError, RuntimeError) as e:
-        raise AdaptError(str(e)) from e
+    with measure_lock(machines_dir() / digest(fp)):
+        if not force:
+            found = find_setup(pipeline, fp)  # made by another process while this one waited
+            if found is not None:
+                return found
+        try:
+            return _measure(pipeline, cfg, fp, traces, prompt_ids, progress, message)
+        except (ValueError, RuntimeError) as e:
+            raise AdaptError(str(e)) from e
 
 
-def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress: bool,
+def _measure(pipeline: PipelineLike, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress: bool,
              message: Callable[[str], None]) -> MachineSetup:
     from adaptree.offline.calibration import CalibrationConfig, run_calibration
     from adaptree.offline.oracle import best_static
@@ -445,8 +446,9 @@ def _measure(pipeline, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress:
     setup = MachineSetup(folder, json.loads(json.dumps(fp)), default, tree, methods,
                          {"calibration": t1 - t0, "traces": t2 - t1, "choice": t3 - t2, "total": t3 - t0,
                           "trace_prompts": len(recorded)},
-                         str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed)
-    write_json(setup.to_dict(), folder / "setup.json")
+                         str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed,
+                         {name: file_sha256(folder / name) for name in SETUP_FILES})
+    write_json(setup.to_dict(), folder / "setup.json")  # last: it makes the setup whole
     checked = live_speedups(confirmed)
     message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
             f"{methods[default]['speedup']:.2f}x AR" + (f"; live vs AR: {checked}" if checked else "")
@@ -477,7 +479,7 @@ def pick_default(live: dict[str, float]) -> str:
     return max(passed, key=passed.get) if passed else "ar"
 
 
-def confirm_default(pipeline, cfg: AdaptConfig, methods: dict, prompts: Sequence[Sequence[int]],
+def confirm_default(pipeline: PipelineLike, cfg: AdaptConfig, methods: dict, prompts: Sequence[Sequence[int]],
                     assets: dict[str, str], progress: bool = False) -> tuple[str, dict]:
     """The default method, checked live: the simulator's latency model misses costs the live engine pays (the
     drafter's per-step overhead, int4 dequantisation growing with the tree), so a method it models a few percent
@@ -521,300 +523,3 @@ def confirm_default(pipeline, cfg: AdaptConfig, methods: dict, prompts: Sequence
               "ar_tokens_per_s": statistics.median(rate["ar"]),
               "methods": {m: {"speedup": live[m], "rounds": ratios[m]} for m in names}}
     return pick_default(live), record
-
-
-# ------------------------------------------------------------------------------------------------- dtype
-
-
-def dtype_candidates(device: str | torch.device = "cpu") -> tuple[str, ...]:
-    """The dtypes ``dtype="auto"`` chooses from: bfloat16 and float32 on a CPU (float16 matmuls have no fast CPU
-    kernels), bfloat16 and float16 on a GPU."""
-    return ("bfloat16", "float16") if torch.device(device).type == "cuda" else ("bfloat16", "float32")
-
-
-def execution_candidates(model, device: str | torch.device = "cpu", dtype: str = "auto",
-                         weights: str = "auto") -> tuple[str, ...]:
-    """The execution modes (:func:`adaptree.api.execution_name`: ``"bfloat16"``, ``"float32"``,
-    ``"bfloat16+int4"``) that ``dtype``/``weights`` leave to choose, ``"auto"`` meaning any. ``int4`` (the GGUF's
-    4-bit blocks run by PyTorch's int4 kernel) is a candidate on a CPU for a GGUF model, with bfloat16 or float16
-    activations (its float32 kernel is a slow reference)."""
-    from adaptree.api import execution_name
-    from adaptree.models.assets import is_gguf_model
-
-    dtypes = dtype_candidates(device) if dtype == "auto" else (dtype,)
-    if weights == "auto":
-        packable = torch.device(device).type == "cpu" and is_gguf_model(model)
-        kinds = ("float", "int4") if packable else ("float",)
-    else:
-        kinds = (weights,)
-    out = []
-    for dt in dtypes:
-        for w in kinds:
-            if w == "int4" and dt == "float32" and "auto" in (dtype, weights):
-                continue  # the int4 kernel's float32 path is a slow reference: only on request
-            out.append(execution_name(dt, w))
-    return tuple(out)
-
-
-def fallback_dtype(device: str | torch.device = "cpu") -> str:
-    """The dtype ``auto`` takes when told not to measure: bfloat16 on a GPU or where the CPU has native bfloat16
-    (avx512_bf16, amx_bf16) and the kernels may use it (PyTorch at AVX512, oneDNN not limited below AVX-512),
-    else float32. A guess, not a measurement (``adaptree adapt`` measures)."""
-    from adaptree.core.machine import cpu_flags, kernel_level, onednn_max_isa
-
-    if torch.device(device).type == "cuda":
-        return "bfloat16"
-    isa = onednn_max_isa().upper()
-    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
-    limited = kernel_level().upper() != "AVX512" or not (isa in ("DEFAULT", "ALL") or "AVX512" in isa or "AMX" in isa)
-    return "bfloat16" if native and not limited else "float32"
-
-
-def fallback_execution(candidates: Sequence[str], device: str | torch.device = "cpu") -> str:
-    """The mode ``auto`` takes when told not to measure: float weights in :func:`fallback_dtype` when that is a
-    candidate, else the first candidate."""
-    want = fallback_dtype(device)
-    return want if want in candidates else candidates[0]
-
-
-def _execution_file(model, head, device, max_seq_len, candidates: Sequence[str]) -> Path:
-    key = digest({**machine_fields(), "device": str(torch.device(device)), "model": str(model),
-                  "head": str(head), "max_seq_len": max_seq_len, "model_files": _files_digest(model, head),
-                  "candidates": list(candidates)})
-    return machines_dir() / f"execution-{key}.json"
-
-
-def _files_digest(model, head) -> list:
-    from adaptree.models import model_sha256, sha256_file
-
-    out = [model_sha256(model)]
-    if head not in (None, "none", "auto"):
-        f = Path(head) / "model.safetensors"
-        out.append(sha256_file(f) if f.is_file() else str(head))
-    return out
-
-
-def cached_execution(candidates: Sequence[str], model, head, device="cpu", max_seq_len=None) -> str | None:
-    """The mode ``auto`` chose among ``candidates`` on this machine for this model and head before (None: never
-    measured)."""
-    try:
-        found = json.loads(_execution_file(model, head, device, max_seq_len, candidates).read_text())["execution"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return found if found in candidates else None
-
-
-def choose_execution(load: Callable[..., object], candidates: Sequence[str], model, head, device="cpu",
-                     max_seq_len=None, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
-                     message: Callable[[str], None] = say):
-    """``dtype="auto"`` / ``weights="auto"``: adapt a pipeline in each of ``candidates`` (execution modes) and keep
-    the one whose default method models fastest (with no head: the faster AR step); cached per machine, model,
-    head and candidate set. ``load(mode)`` returns a pipeline without adapting. Returns the chosen pipeline,
-    adapted."""
-    if not candidates:
-        raise ValueError("no execution mode to choose from")
-    path = _execution_file(model, head, device, max_seq_len, candidates)
-    known = None if force else cached_execution(candidates, model, head, device, max_seq_len)
-    if known is not None or len(candidates) == 1:
-        p = load(known or candidates[0])
-        if p.head is not None:
-            p.machine = adapt(p, cfg, force=force, progress=progress, message=message)
-        return p
-    from adaptree.offline.runs import write_json
-
-    message(f"choosing the execution mode by measurement among {', '.join(candidates)} (once per machine)")
-    scores, best, best_score, traces = {}, None, -1.0, None
-    for name in candidates:
-        p = load(name)
-        if p.head is not None:
-            p.machine = adapt(p, cfg, force=force, progress=progress, message=message, traces=traces)
-            traces = traces or p.machine.traces  # acceptance does not depend on the mode: trace once
-            score = p.machine.modelled_tokens_per_s()
-            scores[name] = {"method": p.machine.default_method, "tokens_per_s": score}
-        else:
-            score = 1.0 / _ar_step_s(p)
-            scores[name] = {"method": "ar", "tokens_per_s": score}
-        if score > best_score:
-            best, best_score = p, score
-        else:
-            del p
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json({"execution": best.execution, "scores": scores, "machine": machine_fields()}, path)
-    message("execution " + best.execution + " (" + ", ".join(
-        f"{k}: {v['method']} {v['tokens_per_s']:.1f} tok/s modelled" for k, v in scores.items()) + ")")
-    return best
-
-
-@torch.inference_mode()
-def _ar_step_s(pipeline, context: int = 256, steps: int = 8) -> float:
-    """Median seconds of one decode step at ``context`` tokens (the no-head dtype choice), timed like the
-    calibration's shapes."""
-    from adaptree.offline.latency import _time
-
-    target = pipeline.target
-    cache = target.new_cache(context + 2)
-    tok = torch.zeros(1, 1, dtype=torch.long, device=target.device)
-    pos = torch.tensor([context], device=target.device)
-
-    def step():
-        cache.length = context
-        target(tok, position_ids=pos, cache=cache)
-
-    sync = partial(synchronize, target.device)
-    return _time(step, steps, sync)
-
-
-def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256, repeats: int = 30) -> float:
-    """Median seconds of one attention call of ``target``'s shape (its heads and head size) in ``dtype``: ``queries``
-    new positions over ``context`` cached keys (timed like the calibration's shapes)."""
-    import torch.nn.functional as F
-
-    from adaptree.offline.latency import _time
-
-    cfg = target.config
-    dev = target.device
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, cfg.num_attention_heads, queries, cfg.head_dim, generator=gen).to(dev, dtype)
-    k = torch.randn(1, cfg.num_key_value_heads, context + queries, cfg.head_dim, generator=gen).to(dev, dtype)
-    mask = torch.ones(queries, context + queries, dtype=torch.bool, device=dev) if queries > 1 else None
-    gqa = cfg.num_key_value_heads != cfg.num_attention_heads
-    sync = partial(synchronize, dev)
-    return _time(lambda: F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=gqa), repeats, sync)
-
-
-def attention_dtype(target, measure: bool = True) -> torch.dtype:
-    """The dtype of rotary, KV cache and attention for ``target`` on this machine (``llama.set_attention_dtype``):
-    float32 for a float32 model; otherwise the faster of the model's dtype and float32 for one decode query and
-    a 16-node tree over 256 cached keys (the sum of both), measured once per machine, dtype and attention shape
-    and cached in ``$ADAPTREE_CACHE/machines``. Without measuring (``measure=False`` and nothing cached): float32
-    on a CPU (bfloat16 attention was 3-10x slower for one query on both AVX-512-bf16 and AVX2 kernels), the
-    model's dtype on a GPU."""
-    if target.dtype == torch.float32:
-        return torch.float32
-    cfg = target.config
-    key = digest({**machine_fields(), "device": str(target.device), "dtype": str(target.dtype),
-                  "shape": [cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim]})
-    path = machines_dir() / f"attention-{key}.json"
-    try:
-        return getattr(torch, json.loads(path.read_text())["attention"])
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
-    if not measure:
-        return torch.float32 if target.device.type == "cpu" else target.dtype
-    from adaptree.offline.runs import write_json
-
-    from adaptree.models.cache import dtype_name
-
-    times = {dtype_name(dt): sum(_time_attention(target, dt, n) for n in (1, 16)) for dt in (target.dtype, torch.float32)}
-    best = min(times, key=times.get)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json({"attention": best, "seconds": times, "machine": machine_fields()}, path)
-    return getattr(torch, best)
-
-
-COMPILE_MODES = ("auto", "on", "off")
-"""``compile`` of :func:`adaptree.load`: ``auto`` (measured, :func:`compile_tokens`), ``on`` (every decode step and
-tree), ``off`` (eager)."""
-
-COMPILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-"""New-token counts (a decode step, then trees) at which :func:`compile_tokens` times eager and compiled forwards."""
-
-
-@torch.inference_mode()
-def _time_compiled(target, sizes: Sequence[int], context: int = 256, repeats: int = 9):
-    """Compile ``target`` for ``sizes`` and time eager and compiled forwards over a random tree of each size after
-    ``context`` cached tokens, interleaved (eager, compiled, next size, ... ``repeats`` rounds: a shared machine's
-    drift hits both alike). Returns the compile seconds and the median seconds ``{mode: {size: s}}``."""
-    from adaptree.offline.latency import random_tree
-
-    cache = target.new_cache(context + max(sizes) + 1)
-    gen = torch.Generator().manual_seed(0)
-    sync = partial(synchronize, target.device)
-    steps = {}
-    for n in sizes:
-        depth, mask = random_tree(n, gen, target.device)
-        ids = torch.zeros(1, n, dtype=torch.long, device=target.device)
-        steps[n] = (ids, (depth + context).to(target.device), mask)
-
-    outputs: dict[tuple[str, int], torch.Tensor] = {}
-
-    def run(n: int, mode: str = "compiled") -> float:
-        ids, pos, mask = steps[n]
-        cache.length = context
-        t0 = time.perf_counter()
-        outputs[mode, n] = target(ids, position_ids=pos, cache=cache, tree_mask=mask, features=True).logits
-        sync()
-        return time.perf_counter() - t0
-
-    target.compile(max(sizes))
-    t0 = time.perf_counter()
-    for n in sizes[:2]:  # the decode-step graph and the tree graph
-        run(n)
-    compile_s = time.perf_counter() - t0
-    times: dict[str, dict[int, list[float]]] = {"eager": {n: [] for n in sizes}, "compiled": {n: [] for n in sizes}}
-    for _ in range(repeats + 1):  # the first round warms up
-        for n in sizes:
-            for mode in times:
-                target.compile_tokens = max(sizes) if mode == "compiled" else 0
-                times[mode][n].append(run(n, mode))
-    agree = all(_agree(outputs["compiled", n], outputs["eager", n]) for n in sizes)
-    return compile_s, {mode: {n: statistics.median(v[1:]) for n, v in per.items()} for mode, per in times.items()}, agree
-
-
-def _agree(compiled: torch.Tensor, eager: torch.Tensor) -> bool:
-    """Compiled logits are finite and within 5% of the eager logits' range of them (bfloat16 rounding moves
-    SmolLM2's logits by up to 0.44 of about 30): a compiled path that computes something else is never used."""
-    scale = float(eager.float().abs().max()) or 1.0
-    return bool(torch.isfinite(compiled).all()) and float((compiled.float() - eager.float()).abs().max()) <= 0.05 * scale
-
-
-def compile_tokens(target, measure: bool = True, mode: str = "auto", message: Callable[[str], None] = say) -> int:
-    """Up to how many new tokens ``target``'s forwards run compiled on this machine (``Transformer.compile``).
-
-    ``on``: every decode step and tree (up to the largest size timed, then eager); ``off``: 0. ``auto``: eager and
-    compiled forwards are timed at :data:`COMPILE_SIZES` (decode step and trees after 256 cached tokens), and
-    compiled runs up to the largest size at which it is at least 3% faster at that size and every smaller one (0
-    when not even a decode step gains); measured once per machine, model shape, dtype, weights and attention
-    dtype, cached in ``$ADAPTREE_CACHE/machines`` with the times and the compile seconds. Without measuring
-    (``measure=False`` and nothing cached): 0, on a GPU always 0 (not measured there)."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
-    if mode == "off" or target.device.type != "cpu":
-        return 0
-    if mode == "on":
-        return max(COMPILE_SIZES)
-    from adaptree.models.cache import dtype_name
-    from adaptree.offline.store import model_fingerprint
-
-    key = digest({**machine_fields(), "device": str(target.device), "model": model_fingerprint(target),
-                  "attention": dtype_name(target.attn_dtype), "torch": torch.__version__})
-    path = machines_dir() / f"compile-{key}.json"
-    try:
-        return int(json.loads(path.read_text())["compile_tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    if not measure:
-        return 0
-    from adaptree.offline.runs import write_json
-
-    message("measuring whether torch.compile pays for decode steps and small trees here (once per machine)")
-    sizes = [n for n in COMPILE_SIZES if n + 3 <= target.max_seq_len]  # a short context limit: smaller trees
-    compile_s, t, agree = _time_compiled(target, sizes, context=min(256, target.max_seq_len - max(sizes) - 1))
-    eager, compiled = t["eager"], t["compiled"]
-    best = 0
-    for n in sizes:
-        if not agree or compiled[n] > 0.97 * eager[n]:
-            break
-        best = n
-    target.compile(best)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not agree:
-        message("warning: torch.compile's forwards disagree with eager ones on this machine: eager")
-    write_json({"compile_tokens": best, "compile_s": compile_s, "agrees_with_eager": agree,
-                "eager_ms": {str(n): 1e3 * s for n, s in eager.items()},
-                "compiled_ms": {str(n): 1e3 * s for n, s in compiled.items()}, "machine": machine_fields()}, path)
-    message(f"torch.compile for forwards of up to {best} new tokens (compiled in {compile_s:.0f} s; decode step "
-            f"{1e3 * eager[1]:.1f} -> {1e3 * compiled[1]:.1f} ms)" if best else
-            f"torch.compile does not pay here (decode step {1e3 * eager[1]:.1f} ms eager, {1e3 * compiled[1]:.1f} "
-            "compiled): eager")
-    return best

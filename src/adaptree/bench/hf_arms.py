@@ -27,8 +27,8 @@ from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 
 if TYPE_CHECKING:
-    from adaptree.api import Pipeline
     from adaptree.bench.runner import BenchConfig
+    from adaptree.core.pipeline import PipelineLike
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
@@ -119,7 +119,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def hf_recipe(method: str, cfg: BenchConfig, pipeline: Pipeline) -> ArmRecipe:
+def hf_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecipe:
     """How the bench's worker builds ``method`` (:func:`build_hf_arms`); bad input fails here, in the bench's
     process. Every Hugging Face arm of a bench shares the recipe, hence one worker and one copy of the weights."""
     if pipeline.weights != "float":

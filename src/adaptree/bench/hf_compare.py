@@ -22,7 +22,7 @@ from adaptree.bench.hf_arms import hf_twin
 from adaptree.core.machine import machine_info
 
 if TYPE_CHECKING:
-    from adaptree.api import Pipeline
+    from adaptree.core.pipeline import PipelineLike
 
 
 @dataclass
@@ -44,7 +44,7 @@ class CompareConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run_compare(cfg: CompareConfig, pipeline: Pipeline) -> dict:
+def run_compare(cfg: CompareConfig, pipeline: PipelineLike) -> dict:
     """Autoregressive tokens/s of this engine vs transformers ``generate`` on ``pipeline``'s target."""
     from adaptree.core.engine import Engine
     from adaptree.data.prompts import mt_bench

@@ -29,8 +29,8 @@ from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 
 if TYPE_CHECKING:
-    from adaptree.api import Pipeline
     from adaptree.bench.runner import BenchConfig
+    from adaptree.core.pipeline import PipelineLike
 
 LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_lookup")
 
@@ -47,7 +47,7 @@ def _needs_llama_cpp(method: str) -> str:
     return f"the {method} arm needs llama-cpp-python: pip install 'adaptree[llama-cpp]'"
 
 
-def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: Pipeline) -> ArmRecipe:
+def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecipe:
     """How the bench's worker builds ``method`` (:func:`build_llama_cpp_arms`); a missing llama-cpp-python or GGUF
     file fails here, in the bench's process."""
     if not llama_cpp_available():

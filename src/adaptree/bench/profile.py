@@ -28,6 +28,7 @@ from functools import partial
 import torch
 
 from adaptree.core.engine import synchronize
+from adaptree.core.pipeline import PipelineLike
 
 __all__ = ["PARTS", "profile_forward", "profile_table", "run_profile"]
 
@@ -109,7 +110,7 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
     if context + max(tokens) + 1 > model.max_seq_len:
         raise ValueError(f"context {context} + {max(tokens)} tokens exceeds the model's context limit "
                          f"{model.max_seq_len}")
-    from adaptree.offline.latency import _time
+    from adaptree.offline.latency import median_seconds
 
     gen = torch.Generator().manual_seed(seed)
     cache = model.new_cache(context + max(tokens) + 1)
@@ -122,7 +123,7 @@ def profile_forward(model, context: int = 256, tokens: Sequence[int] = (1, 4, 16
             cache.length = context
             model(ids, position_ids=pos, cache=cache, tree_mask=mask)
 
-        wall = _time(step, repeats, sync)
+        wall = median_seconds(step, repeats, sync)
         handles = _label_modules(model)
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -154,8 +155,8 @@ def profile_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_profile(pipeline, out, context: int = 256, tokens: Sequence[int] = (1, 4, 16, 64), repeats: int = 20,
-                command: str = "") -> dict:
+def run_profile(pipeline: PipelineLike, out, context: int = 256, tokens: Sequence[int] = (1, 4, 16, 64),
+                repeats: int = 20, command: str = "") -> dict:
     """:func:`profile_forward` on ``pipeline``'s target; writes ``profile.json`` (rows, execution mode, machine
     profile) and ``profile.md`` (the table) to ``out`` and prints the table."""
     from pathlib import Path

@@ -33,7 +33,7 @@ from adaptree.core.verify import SamplingConfig
 from adaptree.offline.runs import check_out_dir
 
 if TYPE_CHECKING:
-    from adaptree.api import Pipeline
+    from adaptree.core.pipeline import PipelineLike
 
 Arm = Callable[[list[int], int, SamplingConfig], GenerationResult]
 """A benchmarked method: ``arm(prompt_ids, max_new_tokens, sampling) -> GenerationResult``."""
@@ -48,7 +48,7 @@ _RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "draft_
              "top_p", "top_k", "seed", "threads")
 
 
-REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, Pipeline], ArmRecipe]] = {
+REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, PipelineLike], ArmRecipe]] = {
     **dict.fromkeys(HF_METHODS, hf_recipe), **dict.fromkeys(LLAMA_CPP_METHODS, llama_cpp_recipe)}
 """Arms that are not the engine (transformers' generate and llama.cpp on the same weights), by method name:
 ``recipe(method, cfg, pipeline)`` checks the arm's input in the bench's process and says how a worker process builds
@@ -148,7 +148,7 @@ def _load_prompts(cfg: BenchConfig):
     return load_prompt_sets(cfg.datasets, cfg.question_file, cfg.limit)
 
 
-def _run_settings(cfg: BenchConfig, pipeline: Pipeline) -> dict:
+def _run_settings(cfg: BenchConfig, pipeline: PipelineLike) -> dict:
     """What must stay fixed across a resumed run, plus checksums of the weights."""
     return {**pipeline.settings(), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed}
@@ -173,7 +173,7 @@ def _check_settings(out: Path, settings: dict) -> None:
                                  f"{k}={settings.get(k)!r}; use another --out (or delete {out / RESULTS})")
 
 
-def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptions | None = None) -> dict[str, Arm]:
+def build_arms(cfg: BenchConfig, pipeline: PipelineLike, method_options: MethodOptions | None = None) -> dict[str, Arm]:
     """One arm per method of ``cfg``: the engine with the method's controller (its options from
     ``method_options[method]``), or a reference arm of :data:`REFERENCE_ARMS`, served by a worker process that starts
     on first use (:func:`bench_loop` starts them together and closes them)."""
@@ -190,7 +190,7 @@ def build_arms(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptio
     return arms
 
 
-def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOptions | None = None,
+def run_bench(cfg: BenchConfig, pipeline: PipelineLike, method_options: MethodOptions | None = None,
               command: str | None = None) -> dict:
     """Benchmark ``cfg.methods`` with ``pipeline`` (see the module's docstring); returns the summary.
 
@@ -230,7 +230,7 @@ def run_bench(cfg: BenchConfig, pipeline: Pipeline, method_options: MethodOption
     return summary
 
 
-def run_oracle(cfg: BenchConfig, pipeline: Pipeline, out: Path, sets,
+def run_oracle(cfg: BenchConfig, pipeline: PipelineLike, out: Path, sets,
                method_options: MethodOptions | None = None) -> dict:
     """Traces of the bench's first turns (resumable) and the modelled oracle section (``oracle_modelled.json``).
     The traces' tree width is the static tree's (10 unless its options say otherwise); their depth at least 12."""

@@ -27,8 +27,8 @@ def register(sub) -> None:
 
 
 def cmd_adapt(args) -> int:
-    from adaptree.adapt.setup import choose_execution, execution_candidates
-    from adaptree.api import _load
+    from adaptree.adapt.execution import choose_execution, execution_candidates
+    from adaptree.api import load_execution
 
     cfg = _adapt_flags().build(args)
     progress = not args.quiet
@@ -36,7 +36,7 @@ def cmd_adapt(args) -> int:
         torch.set_num_threads(args.threads)
 
     def load_mode(mode):  # the pipeline in ``mode``, its attention dtype and compiling measured (choose_execution adapts)
-        return _load(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile=args.compile)
+        return load_execution(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile=args.compile)
 
     candidates = execution_candidates(args.model, "cpu", args.dtype, args.weights)
     p = choose_execution(load_mode, candidates, args.model, args.draft, "cpu", args.max_seq_len, cfg,

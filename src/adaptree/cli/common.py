@@ -363,7 +363,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
     ``--threads``,
     ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
     measure or train on purpose take ``adapt=False`` and an explicit dtype."""
-    from adaptree.api import DTYPES
+    from adaptree.adapt.execution import DTYPES
     from adaptree.models import DEFAULT_MODEL_NAME, MODELS
 
     names = ", ".join(MODELS)

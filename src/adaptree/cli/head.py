@@ -9,7 +9,7 @@ from adaptree.cli.common import ConfigFlags, command_line
 
 
 def _flags() -> ConfigFlags:
-    from adaptree.api import DTYPES
+    from adaptree.adapt.execution import DTYPES
     from adaptree.head_training import TrainHeadConfig
     from adaptree.head_training.trainer import SELECT
 
@@ -23,7 +23,7 @@ def _flags() -> ConfigFlags:
 
 
 def _corpus_flags() -> ConfigFlags:
-    from adaptree.api import DTYPES
+    from adaptree.adapt.execution import DTYPES
     from adaptree.head_training.chunked import CorpusSettings
 
     # unset: a flag not given takes the corpus's own setting (the default's for a new corpus)
@@ -68,7 +68,7 @@ def cmd_train_head(args) -> int:
 def cmd_corpus_grow(args) -> int:
     import torch
 
-    from adaptree.api import DTYPES
+    from adaptree.adapt.execution import DTYPES
     from adaptree.core.machine import keep_freed_memory
     from adaptree.head_training.chunked import ChunkedCorpus, CorpusSettings
     from adaptree.head_training.features import target_fingerprint

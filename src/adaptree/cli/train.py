@@ -125,7 +125,8 @@ def _train_ltd_machine(args, overrides: dict) -> int:
     import shutil
     from pathlib import Path
 
-    from adaptree.adapt.setup import MACHINE_POLICIES, traces_dir
+    from adaptree.adapt.cache import traces_dir
+    from adaptree.adapt.setup import MACHINE_POLICIES
     from adaptree.methods.ltd.controller import LTDObservation
     from adaptree.methods.ltd.train import LTDTrainConfig
     from adaptree.methods.ltd.workflow import train_ltd_for

@@ -10,4 +10,6 @@
 - :mod:`.verify`: greedy and lossless sampling verification of a tree
 - :mod:`.records`: per-cycle and per-generation records
 - :mod:`.machine`: the machine profile recorded with every result
+- :mod:`.pipeline`: what the layers above need of a loaded pipeline (``PipelineLike``)
+- :mod:`.files`: cache files several processes may write at once (a file lock, unique temporary names)
 """

@@ -414,7 +414,7 @@ class Transformer(nn.Module):
         decode step and one for every tree, whatever the cache length or tree size; each compiles on its first
         use). Larger forwards and prefills stay eager; ``max_tokens=0`` turns compiling off.
 
-        Where it pays is measured per machine (:func:`adaptree.adapt.setup.compile_tokens`): on a 2-core CPU it
+        Where it pays is measured per machine (:func:`adaptree.adapt.compile.compile_tokens`): on a 2-core CPU it
         cut a SmolLM2 int4 decode step from 18.1 to 15.1 ms (per-op dispatch), and trees by 0-15%. Inductor keeps
         the kernels it built under ``$ADAPTREE_CACHE/inductor/<torch version>-<CPU kernel level>`` (unless
         ``$TORCHINDUCTOR_CACHE_DIR`` says otherwise)."""

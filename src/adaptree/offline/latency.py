@@ -184,9 +184,9 @@ class LatencyModel:
         return cls(**d)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        from adaptree.offline.runs import write_json
+
+        write_json(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "LatencyModel":
@@ -287,7 +287,9 @@ def random_tree(n: int, gen: torch.Generator, device=None) -> tuple[torch.Tensor
     return depth, (ancestor_mask(parents, depth).to(device) if n > 1 else None)
 
 
-def _time(fn, repeats: int, sync) -> float:
+def median_seconds(fn, repeats: int, sync) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` after one warm-up call, ``sync()`` (the device's queue
+    drained) before each clock reading."""
     fn()  # warm-up
     sync()
     out = []
@@ -347,7 +349,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
                 dcache.length = L + w * tree_levels
                 head(h, toks, position_ids=pos, cache=dcache, tree_mask=mask)
 
-            draft_samples.append((w, L, _time(draft_step, repeats, sync)))
+            draft_samples.append((w, L, median_seconds(draft_step, repeats, sync)))
             bar.update(1)
         cache = target.new_cache(L + max(sizes) + 1)
         for v in sizes:
@@ -360,7 +362,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
                 cache.length = L
                 target(toks, position_ids=positions, cache=cache, tree_mask=tmask, features=True)
 
-            verify_samples.append((v, L, _time(verify_fwd, repeats, sync)))
+            verify_samples.append((v, L, median_seconds(verify_fwd, repeats, sync)))
             bar.update(1)
     bar.close()
     meta = {"device": str(dev), "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from adaptree.core.pipeline import PipelineLike
 from adaptree.serve import protocol
 from adaptree.serve.config import ServeConfig
 from adaptree.serve.errors import APIError, InvalidRequest, NotFound, Unauthorized, error_body
@@ -38,14 +39,14 @@ from adaptree.serve.scheduler import Job, JobResult, Scheduler
 log = logging.getLogger(__name__)
 
 
-def _model_name(pipeline) -> str:
+def _model_name(pipeline: PipelineLike) -> str:
     return pipeline.model_label
 
 
 class Server:
     """The app's state: the pipeline, its scheduler and metrics, and the endpoints."""
 
-    def __init__(self, pipeline, config: ServeConfig | None = None) -> None:
+    def __init__(self, pipeline: PipelineLike, config: ServeConfig | None = None) -> None:
         self.pipeline = pipeline
         self.config = config = config or ServeConfig()
         if config.default_max_tokens < 1:
@@ -58,7 +59,7 @@ class Server:
         self.scheduler = Scheduler(pipeline, config.max_queue, self.metrics, self.tokenizer_lock)
         self.metrics.bind(self.scheduler)
         self.created = int(time.time())
-        from adaptree import __version__
+        from adaptree._version import __version__
 
         self.fingerprint = f"adaptree-{__version__}-{pipeline.execution}"
         self.metrics.info.info({"model": self.model, "execution": pipeline.execution,
@@ -331,7 +332,7 @@ def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
 
 
-def create_app(pipeline, config: ServeConfig | None = None) -> Starlette:
+def create_app(pipeline: PipelineLike, config: ServeConfig | None = None) -> Starlette:
     """The ASGI app serving ``pipeline`` (run it with uvicorn: :func:`adaptree.serve.serve`, which also tells it
     when shutdown begins; under a plain uvicorn the requests still running at the end of uvicorn's graceful
     shutdown are cancelled by uvicorn)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptree.core.controller import Controller, CycleContext, TreePlan
+from adaptree.core.pipeline import PipelineLike
 from adaptree.core.records import CycleRecord, GenerationResult
 from adaptree.core.text import TextAssembler
 from adaptree.core.verify import SamplingConfig
@@ -154,7 +155,8 @@ class Scheduler:
     :param tokenizer_lock: held around every use of the tokenizer (shared with the request handlers).
     """
 
-    def __init__(self, pipeline, max_queue: int = 16, metrics=None, tokenizer_lock: threading.Lock | None = None) -> None:
+    def __init__(self, pipeline: PipelineLike, max_queue: int = 16, metrics=None,
+                 tokenizer_lock: threading.Lock | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.pipeline, self.max_queue, self.metrics = pipeline, max_queue, metrics

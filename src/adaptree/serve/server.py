@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from adaptree.core.pipeline import PipelineLike
 from adaptree.serve.app import Server
 from adaptree.serve.config import ServeConfig
 
@@ -22,7 +23,7 @@ comes first and answers every client; this is only a backstop)."""
 class _Uvicorn(uvicorn.Server):
     """uvicorn's server, telling the app when shutdown begins (so it can finish, then cancel, cleanly)."""
 
-    def __init__(self, pipeline, config: ServeConfig, log_level: str, access_log: bool) -> None:
+    def __init__(self, pipeline: PipelineLike, config: ServeConfig, log_level: str, access_log: bool) -> None:
         self.app_state = Server(pipeline, config)
         super().__init__(uvicorn.Config(self.app_state.app(), host=config.host, port=config.port, log_level=log_level,
                                         access_log=access_log, lifespan="on",
@@ -34,7 +35,8 @@ class _Uvicorn(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(pipeline, config: ServeConfig | None = None, *, log_level: str = "info", access_log: bool = True) -> None:
+def serve(pipeline: PipelineLike, config: ServeConfig | None = None, *, log_level: str = "info",
+          access_log: bool = True) -> None:
     """Serve ``pipeline`` until interrupted (Ctrl-C / SIGTERM: no new connections, the requests in progress get
     ``graceful_timeout`` seconds, then the rest are cancelled at their next cycle)."""
     config = config or ServeConfig()
@@ -75,7 +77,7 @@ class RunningServer:
         self.stop()
 
 
-def start_server(pipeline, config: ServeConfig | None = None, *, log_level: str = "warning",
+def start_server(pipeline: PipelineLike, config: ServeConfig | None = None, *, log_level: str = "warning",
                  access_log: bool = False, timeout: float = 120.0) -> RunningServer:
     """Start a server for ``pipeline`` in a background thread (``config.port`` 0: a free port, the default here)
     and return once it accepts connections."""
