@@ -20,7 +20,7 @@ import time
 from tqdm import tqdm
 
 from adaptree.head_training.chunked import ChunkedCorpus
-from adaptree.methods.hybrid.chain import ChainCalibration
+from adaptree.methods.common.chain import ChainCalibration
 
 
 def main() -> None:

@@ -93,7 +93,8 @@ def simulated(args, traces) -> dict[str, dict[str, float]]:
     """Modelled speedup over AR of ``ngram`` and ``hybrid`` under each rule, per dataset and over all traces."""
     from adaptree.methods import make_controller
     from adaptree.methods.costaware import AcceptanceCalibration
-    from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
+    from adaptree.methods.common import ChainCalibration
+    from adaptree.methods.hybrid import HybridConfig, HybridController
     from adaptree.offline.latency import LatencyModel
 
     lat = LatencyModel.load(args.latency)

@@ -82,7 +82,7 @@ def test_setup_is_made_once_and_cached(models, cache):
     chain.unlink()
     assert find_setup(p).assets["chain"] == str(chain) and chain.read_text() == fitted
     # with greedy and T=1 rates (sampled seeded: the same file again); a greedy-only one (an older setup's) gets them
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
 
     cal = ChainCalibration.load(chain)
     assert cal.temperatures.tolist() == [0.0, 1.0] and cal.trials[1].sum() > 0

@@ -1,5 +1,6 @@
 """The training-free controllers (DEAGLE, DDD, SVIP, Gammatune): their stop / depth rules on hand-built
-score sequences, config validation, the registry and CLI, and greedy losslessness on tiny models."""
+score sequences, config validation, the registry and CLI, and greedy losslessness on tiny models; the learned
+methods' shared runtime."""
 
 from __future__ import annotations
 
@@ -260,33 +261,42 @@ def test_make_controller_round_trip(method):
         make_controller(method, wdith=3)
 
 
+def save_learned_policies(folder) -> dict[str, dict]:
+    """Untrained policies of RADAR (W 4), LTD (W 4, depth 10) and Re-SpS (H 32), saved under ``folder``: learned
+    method -> the options that load them."""
+    from adaptree.methods.ltd.controller import LTD_SIZES, LTDObservation
+    from adaptree.methods.radar.policy import RadarModelConfig, RadarPolicy
+    from adaptree.methods.resps.controller import ReSpSState, resps_actions
+    from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
+
+    RadarPolicy(RadarModelConfig(width=4, max_depth=8, hidden=8)).save(folder / "radar")
+    obs = LTDObservation(width=4, max_depth=10)
+    MLPPolicy(MLPPolicyConfig("ltd-depth", obs.depth_dim, [0, 1], [8], observation=obs.to_dict())).save(
+        folder / "ltd-depth")
+    MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(LTD_SIZES), [8], observation=obs.to_dict())).save(
+        folder / "ltd-size")
+    MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
+                              observation=ReSpSState(32).to_dict())).save(folder / "resps")
+    depth, size = str(folder / "ltd-depth"), str(folder / "ltd-size")
+    return {"radar": dict(policy=str(folder / "radar"), width=4), "resps": dict(policy=str(folder / "resps")),
+            "ltd": dict(depth_policy=depth, size_policy=size, width=4), "ltd-depth": dict(depth_policy=depth, width=4),
+            "ltd-size": dict(size_policy=size, width=4)}
+
+
 def test_cli_flags_reach_every_method(tmp_path):
     import json
 
     from adaptree.cli import build_controller, build_parser
-    from adaptree.methods.radar.policy import RadarModelConfig, RadarPolicy
 
     tuned = tmp_path / "static_gs.json"
     tuned.write_text(json.dumps({"width": 5, "depth": 3, "size": 12}))
-    RadarPolicy(RadarModelConfig(width=4, max_depth=8, hidden=8)).save(tmp_path / "radar")
-    from adaptree.methods.ltd.controller import LTD_SIZES, LTDObservation
-    from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
-
-    obs = LTDObservation(width=4, max_depth=10)
-    MLPPolicy(MLPPolicyConfig("ltd-depth", obs.depth_dim, [0, 1], [8], observation=obs.to_dict())).save(
-        tmp_path / "ltd-depth")
-    MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(LTD_SIZES), [8], observation=obs.to_dict())).save(
-        tmp_path / "ltd-size")
-    from adaptree.methods.resps.controller import ReSpSState, resps_actions
-
-    MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
-                              observation=ReSpSState(32).to_dict())).save(tmp_path / "resps")
+    save_learned_policies(tmp_path)
     from adaptree.methods.costaware.acceptance import AcceptanceCalibration
     from adaptree.offline.latency import LatencyModel
 
     LatencyModel([1e-3, 0, 0, 0], [2e-3, 1e-4, 0, 0]).save(tmp_path / "latency.json")
     AcceptanceCalibration([-5.0, 0.0], [0.1, 0.9], [0.6, 0.2]).save(tmp_path / "acceptance.json")
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
 
     ChainCalibration(3, [1, 4], [[0.5, 0.4], [0.9, 0.9]]).save(tmp_path / "chain.json")
     p = build_parser()
@@ -326,6 +336,46 @@ def test_cli_flags_reach_every_method(tmp_path):
     args = p.parse_args(["generate", "hi", "--method", "deagle", "--deagle-min-votes", "4"])
     with pytest.raises(ValueError, match="min_votes"):
         build_controller(args, head=object())
+
+
+def test_learned_methods_share_one_runtime(tmp_path):
+    """LTD, RADAR and Re-SpS declare their runtime once (LearnedRuntime: the fields, their checks, their help) and run
+    it through the same hooks (LearnedSeam): on a machine where no tree pays, each one's first cycle is an AR step
+    that still carries the context's chain; without the fallback, each drafts its tree next to the chain."""
+    from dataclasses import fields
+
+    from adaptree.cli.common import field_doc
+    from adaptree.core.context import ContextIndex
+    from adaptree.methods import LEARNED, REGISTRY
+    from adaptree.methods.common import ChainCalibration, LearnedRuntime, LearnedSeam
+    from adaptree.offline.latency import LatencyModel
+
+    runtime = [f.name for f in fields(LearnedRuntime)]
+    assert runtime == ["latency", "ar_fallback", "probe_every", "chain", "chain_tokens"]
+    for name in LEARNED:
+        config = REGISTRY[name].config
+        assert issubclass(config, LearnedRuntime) and issubclass(REGISTRY[name].controller, LearnedSeam), name
+        assert not set(runtime) & set(vars(config).get("__annotations__", {})), name  # declared once
+        assert all(f.kw_only for f in fields(config) if f.name in runtime), name  # no positional slip
+        assert all(field_doc(config, f) == field_doc(LearnedRuntime, f) != "" for f in runtime), name
+        for bad in (dict(probe_every=0), dict(probe_every=1.5), dict(chain_tokens=-1), dict(chain_tokens=True)):
+            with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer.*got {bad[next(iter(bad))]}"):
+                config(**bad)
+    options = save_learned_policies(tmp_path)
+    LatencyModel([0.05, 0, 0, 0], [0.0, 0.05, 0, 0]).save(tmp_path / "latency.json")  # a node costs an AR step
+    ChainCalibration(4, [1], [[0.9] * 16]).save(tmp_path / "chain.json")
+    toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]  # the suffix 1 2 3 occurred: the chain is 4 5 6 8
+    for name in LEARNED:
+        for fallback in (True, False):
+            ctl = make_controller(name, **options[name], latency=str(tmp_path / "latency.json"), ar_fallback=fallback,
+                                  chain=str(tmp_path / "chain.json"), chain_tokens=4)
+            ctl.reset()
+            index = ctl.context_index()
+            assert isinstance(index, ContextIndex) and (ctl.gate is not None) == fallback
+            index.extend(toks)
+            plan = ctl.begin_cycle(CycleContext(0, len(toks), 1, torch.randn(96), toks, [], index))
+            assert plan.chain == (4, 5, 6, 8), name
+            assert (plan.max_depth == 0 and plan.size == 0) == fallback, (name, fallback, plan)
 
 
 # ------------------------------------------------------------------------------------------ losslessness

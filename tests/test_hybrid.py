@@ -19,9 +19,9 @@ from adaptree.core.context import ContextIndex, ContextMatch
 from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.engine import Engine
 from adaptree.methods import make_controller
+from adaptree.methods.common import MATCH_FEATURES, ChainCalibration, ChainRule
 from adaptree.methods.costaware import AcceptanceCalibration, CostAwareConfig, CostAwareController
-from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule
+from adaptree.methods.hybrid import HybridConfig, HybridController
 from adaptree.offline.latency import LatencyModel
 from adaptree.offline.simulator import simulate
 from adaptree.offline.traces import record_trace

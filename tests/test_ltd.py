@@ -384,7 +384,7 @@ def match_policy(kind: str, seed: int) -> MLPPolicy:
 def test_ltd_with_a_context_chain_is_lossless_and_replays_like_the_live_engine(models, chain_traces, observes):
     """``chain_tokens`` puts the context's chain next to the policies' tree (ChainRule); policies trained with
     ``match`` see the match features. fp32 greedy output = AR, the replay makes the live decisions."""
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
 
     target, head = models
     cal = ChainCalibration.fit(chain_traces)
@@ -524,7 +524,7 @@ def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models
     """On a machine where no tree pays (each verified node costs 1/8 of a step, a draft step 1/5): the gate turns
     the policy's cycles into AR steps (probing now and then) and the run is near AR speed; where trees pay it costs
     little."""
-    from adaptree.methods.ar_gate import ARGate
+    from adaptree.methods.common import ARGate
 
     dear = LatencyModel(draft=[0.006, 0.0, 0.0, 0.0], verify=[0.026, 0.004, 0.0, 0.0], other_s=0.0)
     pair = dict(depth_policy=rule_policy("depth"), size_policy=rule_policy("size"))

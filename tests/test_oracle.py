@@ -546,7 +546,8 @@ def test_chain_oracle_replays_exactly_and_bounds_the_chain_methods(traces, small
     beyond the head's selected tree: computed by the simulator through add_chain) and the same time; it is at
     most the head-only oracle's time and a lower bound on ngram's and hybrid's modelled times."""
     from adaptree.methods.costaware import AcceptanceCalibration
-    from adaptree.methods.hybrid import ChainCalibration, HybridConfig, HybridController
+    from adaptree.methods.common import ChainCalibration
+    from adaptree.methods.hybrid import HybridConfig, HybridController
 
     lat = LATENCIES[lat_name]
     chained = 0

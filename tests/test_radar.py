@@ -457,7 +457,7 @@ def test_radar_replays_live_on_traces():
 
 def test_radar_with_a_context_chain_is_lossless_and_replays_live():
     """chain_tokens (issue 19): the context's chain next to RADAR's tree; fp32 greedy = AR, replay = live."""
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
     from adaptree.offline.latency import LatencyModel
     from adaptree.offline.traces import TraceSettings, record_trace
 
@@ -486,7 +486,7 @@ def test_dataset_with_context_chains_holds_the_trees_the_engine_verifies(tiny_pa
     """``chain_tokens``: every stop point's tree carries the chain; greedy, the full-depth point mass is the
     engine's acceptance of the static tree plus the chain, and the recorder's trajectory is that static run's."""
     from adaptree.methods import StaticConfig, StaticController
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
     from adaptree.methods.radar.train import match_features
     from adaptree.offline.traces import TraceSettings, record_trace
 
@@ -539,7 +539,7 @@ def test_dataset_with_context_chains_holds_the_trees_the_engine_verifies(tiny_pa
 
 
 def test_radar_trained_on_the_match_is_lossless(tiny_pair, tmp_path):
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
     from adaptree.offline.traces import TraceSettings, record_trace
 
     target, head = tiny_pair

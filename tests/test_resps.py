@@ -692,7 +692,7 @@ def chain_traces(models):
 
 
 def test_match_state_and_chains_are_lossless_and_replay_like_the_live_engine(models, chain_traces):
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
 
     target, head = models
     cal = ChainCalibration.fit(chain_traces)
@@ -722,7 +722,7 @@ def test_match_state_and_chains_are_lossless_and_replay_like_the_live_engine(mod
 
 
 def test_training_with_match_features(models, chain_traces, tmp_path):
-    from adaptree.methods.hybrid import ChainCalibration
+    from adaptree.methods.common import ChainCalibration
     from adaptree.methods.resps.train import train_resps
 
     source, validator, val = sim_setup(chain_traces)

@@ -250,7 +250,7 @@ def find_setup(pipeline: PipelineLike, fp: dict | None = None) -> MachineSetup |
 
 def _complete(setup: MachineSetup, pipeline: PipelineLike) -> None:
     """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``, with
-    its rates at :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
+    its rates at :data:`~adaptree.methods.common.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
     the sampled rates, outputs sampled from their prompts; about 90 s on the default model)."""
     acc = setup.acceptance_path
     if acc is None or not acc.is_file() or _chain_complete(acc.with_name("chain.json")):
@@ -269,7 +269,7 @@ def _chain_complete(path: Path) -> bool:
     """``path`` is a chain calibration of the current occurrence rule with greedy rates and rates at every sampled
     temperature."""
     from adaptree.core.context import DEFAULT_SELECT
-    from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
+    from adaptree.methods.common.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
     try:
         cal = ChainCalibration.load(path)
@@ -324,7 +324,7 @@ def _traces(pipeline: PipelineLike, cfg: AdaptConfig, folder: Path | None, promp
 def _acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[[str], None] | None = None) -> Path:
     """``costaware``'s acceptance calibration of the traces in ``folder`` and ``hybrid``'s chain calibration
     (``chain.json``: greedy rates from the traces, combined with rates at each of
-    :data:`~adaptree.methods.hybrid.chain.SAMPLED_TEMPERATURES` from outputs sampled from the traces' prompts;
+    :data:`~adaptree.methods.common.chain.SAMPLED_TEMPERATURES` from outputs sampled from the traces' prompts;
     fitted once, kept next to them, under the folder's lock)."""
     with measure_lock(folder):
         return _fit_acceptance(folder, traces, pipeline, message)
@@ -332,7 +332,7 @@ def _acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[
 
 def _fit_acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[[str], None] | None) -> Path:
     from adaptree.methods.costaware.acceptance import AcceptanceCalibration
-    from adaptree.methods.hybrid.chain import SAMPLED_TEMPERATURES, ChainCalibration
+    from adaptree.methods.common.chain import SAMPLED_TEMPERATURES, ChainCalibration
 
     path = folder / "acceptance.json"
     if not path.is_file():

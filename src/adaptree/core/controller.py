@@ -67,7 +67,7 @@ class CycleContext:
     for controllers that ask for one (:meth:`Controller.context_index`; None for the others)."""
     temperature: float = 0.0
     """The sampling temperature verification accepts with (0: greedy; replay is greedy): how often a drafted token
-    is accepted depends on it (a chain's calibrated rates: :class:`~adaptree.methods.hybrid.ChainCalibration`)."""
+    is accepted depends on it (a chain's calibrated rates: :class:`~adaptree.methods.common.ChainCalibration`)."""
 
 
 AR_PLAN = TreePlan(1, 0, 0)

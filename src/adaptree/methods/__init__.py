@@ -11,6 +11,8 @@
 - :mod:`.ltd`: LTD (controller and observation, environments, PPO trainer)
 - :mod:`.radar`: RADAR (controller, LSTM policy, acceptance-distribution dataset, REINFORCE trainer)
 - :mod:`.resps`: Re-SpS (controller and state, environment, PPO trainer)
+- :mod:`.common`: what the learned methods share (their runtime settings and hooks, the AR fallback) and the
+  context-chain seam they share with the hybrid
 
 The registry below maps a method name to its typed config, its controller and the files it needs
 (:class:`Asset`): a learned policy or a tuned tree is looked up next to the draft head in use, never

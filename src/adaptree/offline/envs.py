@@ -242,7 +242,7 @@ class CycleEnv(gym.Env):
     """Base class: a source, a decision point, an inner controller, a reward (see the module docstring).
 
     :param seed: seeds the order in which prompts are visited (a permutation per pass) and the inner rule.
-    :param chain: a :class:`~adaptree.methods.hybrid.chain.ChainRule`: every cycle carries the context's chain
+    :param chain: a :class:`~adaptree.methods.common.chain.ChainRule`: every cycle carries the context's chain
         (issue 19), chosen by the rule, and observations that use match features read them from it.
     """
 

@@ -2,12 +2,13 @@
 under the same root, verified together; the head tree's depth and size and the chain's length chosen per cycle
 by costaware's expected-tokens-per-modelled-second rule.
 
-- :mod:`.chain`: :class:`ChainCalibration` (per match length, how often each chain token is accepted; plain
-  JSON, strict loading)
 - :mod:`.controller`: :class:`HybridConfig`, :class:`HybridController`
+
+The chain values come from a :class:`~adaptree.methods.common.chain.ChainCalibration` (per match length and
+temperature, how often each chain token is accepted), which the learned methods' chains share
+(:mod:`adaptree.methods.common`).
 """
 
-from adaptree.methods.hybrid.chain import ChainCalibration
 from adaptree.methods.hybrid.controller import HybridConfig, HybridController
 
-__all__ = ["ChainCalibration", "HybridConfig", "HybridController"]
+__all__ = ["HybridConfig", "HybridController"]

@@ -7,10 +7,10 @@ head tree's depth and V, how many tokens of the context's longest earlier match
 **Values.** A verified node adds its probability of lying on the accepted path to the expected emitted tokens
 (at most one path is accepted, so ``E[emitted] = 1 + sum over verified nodes of P(node accepted)``, whatever
 the tree). Head candidate ``i``: ``p_i`` from the acceptance calibration of its path score, as in costaware.
-Chain token ``t``: ``c_t`` = P(the chain's first ``t`` tokens accepted), from the :class:`~.chain.ChainCalibration`
-of the match's length at the cycle's sampling temperature. A chain's first ``s`` tokens may already be head
-candidates (the same tokens down the same path): in the tree they are one node each, valued and paid once, as head
-nodes.
+Chain token ``t``: ``c_t`` = P(the chain's first ``t`` tokens accepted), from the
+:class:`~adaptree.methods.common.chain.ChainCalibration` of the match's length at the cycle's sampling temperature.
+A chain's first ``s`` tokens may already be head candidates (the same tokens down the same path): in the tree they
+are one node each, valued and paid once, as head nodes.
 
 **Decisions.** ``lambda`` = the running throughput estimate (costaware's), ``verify(n)`` = this machine's
 modelled verification seconds for ``n`` nodes at this context length.
@@ -41,9 +41,9 @@ import torch
 from adaptree.core.context import ContextIndex
 from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.tree import DraftTree
+from adaptree.methods.common import ChainCalibration, shared_ranks
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController, _load
-from adaptree.methods.hybrid.chain import ChainCalibration, shared_ranks
 from adaptree.offline.latency import LatencyModel
 
 
@@ -79,7 +79,7 @@ class HybridController(CostAwareController):
         super().__init__(cfg, latency_model, calibration)
         self.chain_cal = chain_calibration if chain_calibration is not None else _load(
             cfg.chain, "chain calibration", "chain",
-            "fit one with adaptree.methods.hybrid.ChainCalibration.fit(traces).save(PATH)", ChainCalibration.load,
+            "fit one with adaptree.methods.common.ChainCalibration.fit(traces).save(PATH)", ChainCalibration.load,
             self.name)
         if self.chain_cal.max_ngram != cfg.max_n:
             raise ValueError(f"the chain calibration was fitted with max_ngram {self.chain_cal.max_ngram}, the "

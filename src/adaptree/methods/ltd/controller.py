@@ -7,16 +7,17 @@ every cycle's tree, trained with PPO on the cycle's throughput.
 * size policy π_V, once drafting stopped: V from 12 values 20, 40, ..., 240, from ALL candidate
   log-probs (padded to the largest tree), D and L.
 
-With ``use_costs`` (issue 16) both observations end with the machine's cost features
+With ``use_costs`` both observations end with the machine's cost features
 (:func:`adaptree.offline.family.cost_features`: draft step, verification growth and overhead relative to one
 autoregressive step), read from this machine's latency model at inference (``latency``, filled from the machine
 setup) and from the family member of each generation in training; without a latency model the policy's
 ``reference_costs`` stand in.
 
-With ``use_match`` (issue 19) they also end with the cycle's context-match features
-(:data:`adaptree.methods.hybrid.chain.MATCH_FEATURES`) and every cycle carries the context's chain next to the
-policies' tree, its length chosen by :class:`~adaptree.methods.hybrid.chain.ChainRule` (``chain_tokens`` adds the
-chain to policies that do not observe the match, too).
+With ``use_match`` they also end with the cycle's context-match features
+(:data:`adaptree.methods.common.chain.MATCH_FEATURES`) and every cycle carries the context's chain next to the
+policies' tree, its length chosen by :class:`~adaptree.methods.common.chain.ChainRule` (``chain_tokens`` adds the
+chain to policies that do not observe the match, too). The latency model, the AR fallback and the chain are the
+learned methods' shared runtime (:mod:`adaptree.methods.common.runtime`).
 
 L is the true context length at training and at inference (the public code reads it after the input
 ids were overwritten: a constant at inference). The observation is built by :class:`LTDObservation`,
@@ -41,11 +42,9 @@ from pathlib import Path
 
 import torch
 
-from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape, check_shape
-from adaptree.core.records import CycleRecord
+from adaptree.core.controller import Controller, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
-from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, ChainSeam, check_chain_tokens, match_values
+from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, match_values
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -72,11 +71,11 @@ class LTDObservation:
     length_scale: float = 1000.0
     """L enters as L / length_scale (the paper's code)."""
     use_costs: bool = False
-    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES; issue 16)."""
+    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES)."""
     reference_costs: list[float] | None = None
     """The cost features assumed when no latency model is given (the training family's median)."""
     use_match: bool = False
-    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19)."""
+    """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES)."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
@@ -167,12 +166,12 @@ class LTDObservation:
 
     def size_parts(self, tree: DraftTree, costs: list[float] | None = None,
                    match: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`size_obs` without the padding, for :meth:`~adaptree.rl.policy.MLPPolicy.act_padded`."""
+        """:meth:`size_obs` without the padding, for :meth:`~adaptree.offline.policy.MLPPolicy.act_padded`."""
         return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match)
 
 
 @dataclass
-class LTDConfig(TreeShape):
+class LTDConfig(LearnedRuntime, TreeShape):
     """LTD's inference settings. Which policies run is the method: ``ltd``, ``ltd-depth``, ``ltd-size``."""
 
     width: int = 10
@@ -188,30 +187,12 @@ class LTDConfig(TreeShape):
     """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     mode: str = "both"
     """both | depth | size: which policies decide."""
-    latency: str | None = None
-    """Latency model JSON of this machine: the cost features of policies that see them and the AR fallback's
-    costs (filled from the machine setup; without one, the policies' reference costs and no fallback)."""
-    ar_fallback: bool = True
-    """Take AR steps while the policies' trees earn fewer tokens per modelled second than AR steps here, with probe cycles
-    (adaptree.methods.ar_gate; needs a latency model)."""
-    probe_every: int = 8
-    """In AR mode, AR steps before a probe, counted in units of the cost of the policies's smallest tree (the interval
-    doubles while probes fail, up to 8x)."""
-    chain: str | None = None
-    """Chain calibration JSON of this model (the machine setup's chain.json): for policies that observe the context
-    match, and for chain_tokens."""
-    chain_tokens: int | None = None
-    """Longest context chain verified per cycle next to the policies' tree (adaptree.methods.hybrid.ChainRule;
-    issue 19). Default: 16 with policies that observe the context match, else none (0)."""
 
     unset_depth: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
-        check_chain_tokens(self.chain_tokens)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
-            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         super().__post_init__()
 
 
@@ -238,12 +219,12 @@ def _load(kind: str, path: str | None):
     return MLPPolicy.load(Path(path), kind=f"ltd-{kind}")
 
 
-class LTDController(ChainSeam, Controller):
+class LTDController(LearnedSeam, Controller):
     """EAGLE-3's tree with LTD's learned depth (per draft step) and size (per cycle).
 
-    :param depth_policy, size_policy: loaded :class:`~adaptree.rl.policy.MLPPolicy` objects (override the
+    :param depth_policy, size_policy: loaded :class:`~adaptree.offline.policy.MLPPolicy` objects (override the
         config's folders; used by training to evaluate policies in memory).
-    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
+    :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
     """
 
     name = "ltd"
@@ -275,43 +256,18 @@ class LTDController(ChainSeam, Controller):
         self.plan = cfg.plan(depth)
         self.depth_costs = self.size_costs = None
         self.observes = any(o.use_match for o in obs)
-        self.chain_rule = ChainRule.of(cfg, chain_calibration, self.observes, self.name)
+        self.start_runtime(cfg, chain_calibration, self.observes)
         self.match: list[float] | None = None
-        self.gate = ARGate.of(cfg)
-        self.min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
-        if cfg.latency:
-            from adaptree.offline.latency import load_checked
-
-            self.use_latency(load_checked(cfg.latency, quiet=True))
+        min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
+        self.smallest = (self.plan.width, min_size, self.plan.max_depth)
+        self.load_latency(cfg)
 
     def use_latency(self, latency) -> None:
         if self.depth_policy is not None:
             self.depth_costs = self.depth_obs.costs_of(latency)
         if self.size_policy is not None:
             self.size_costs = self.size_obs.costs_of(latency)
-        if self.gate is not None:
-            self.gate.latency = latency
-        if self.chain_rule is not None:
-            self.chain_rule.latency = latency
-
-    def reset(self) -> None:
-        if self.gate is not None:
-            self.gate.reset()
-
-    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        plan, gate = self.plan, self.gate
-        chain = ()
-        if self.chain_rule is not None:
-            chain = self.chain_rule.begin(ctx)
-            self.match = self.chain_rule.features() if self.observes else None
-        if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
-                                                                          ctx.context_len):
-            plan = AR_PLAN
-        return plan.with_chain(chain)
-
-    def end_cycle(self, record: CycleRecord) -> None:
-        if self.gate is not None:
-            self.gate.record(record)
+        super().use_latency(latency)
 
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:

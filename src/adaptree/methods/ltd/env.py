@@ -33,7 +33,7 @@ class _LTDEnv(CycleEnv):
 class DepthEnv(_LTDEnv):
     """LTD's depth decisions: after every draft forward, STOP (0) or CONTINUE (1).
 
-    :param observation: an :class:`~adaptree.controllers.ltd.LTDObservation` (``depth_obs``).
+    :param observation: an :class:`~adaptree.methods.ltd.controller.LTDObservation` (``depth_obs``).
     :param inner: the rest of the cycle: its ``begin_cycle`` gives W and the maximum depth, its
         ``choose_size`` the V (a StaticController(W, 12, 60) in LTD's stage 1, the frozen size policy later).
     """

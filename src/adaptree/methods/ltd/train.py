@@ -1,6 +1,6 @@
 """``adaptree train ltd``: LTD's two policies trained with PPO (Stable-Baselines3), co-adapted.
 
-Stages (SPEC.md §2, issue 7), each a PPO run on a gymnasium environment of :mod:`adaptree.rl.envs`:
+Stages (SPEC.md §2), each a PPO run on a gymnasium environment of :mod:`adaptree.offline.envs`:
 
 ==============  ======  =========================================================  ======================
 stage           learns  the other decision                                          validated as
@@ -16,13 +16,13 @@ Iteration k starts from the policy (actor and critic) the previous stage of the 
 ``init`` (a fine-tune, e.g. ``adaptree train ltd --machine``) only the iterations run, the first of each kind
 starting from the init pair's actor (a fresh critic), and Iter0 is the init pair itself.
 
-Machines (issue 16): with ``costs`` the observations end with the cost features of the latency model
+Machines: with ``costs`` the observations end with the cost features of the latency model
 (:mod:`adaptree.offline.family`); with ``family``/``spread`` every generation of the simulator runs on a member
 of a :class:`~adaptree.offline.family.LatencyFamily` drawn for it (rewards are speedups over that member's AR
 step), and validation is the geometric mean of the speedups on the family's measured models. Controllers
 evaluated here run without the AR fallback (the policies alone).
 Every ``eval_every`` rollouts (and at the end) the current actor is extracted as a plain
-:class:`~adaptree.rl.policy.MLPPolicy` and replayed on the validation traces (prompts never trained on)
+:class:`~adaptree.offline.policy.MLPPolicy` and replayed on the validation traces (prompts never trained on)
 by the simulator; the stage keeps the checkpoint with the best modelled speedup. Then Iter0..Iter3
 (= (stage1-depth, stage1-size), (stage1-depth, iter1-size), (iter2-depth, iter1-size),
 (iter2-depth, iter3-size)) are compared on validation and the best pair is exported to ``OUT/policy``
@@ -50,13 +50,13 @@ import numpy as np
 import torch
 
 from adaptree.core.controller import StaticConfig, StaticController
+from adaptree.methods.common import ChainCalibration, ChainRule
 from adaptree.methods.ltd.controller import (
     LTD_SIZES,
     LTDConfig,
     LTDController,
     LTDObservation,
 )
-from adaptree.methods.hybrid.chain import ChainCalibration, ChainRule
 from adaptree.methods.ltd.env import DepthEnv, RandomDepthController, SizeEnv
 from adaptree.offline.envs import REWARDS, SimSource
 from adaptree.offline.policy import MLPPolicy, MLPPolicyConfig
@@ -98,12 +98,12 @@ class LTDTrainConfig:
     iter_steps: int = 40_000
     """Environment steps of each co-adaptation iteration."""
     iterations: int = 3
-    """Co-adaptation iterations after stage 1 (0..3; the issue's Iter1..Iter3)."""
+    """Co-adaptation iterations after stage 1 (0..3: Iter1..Iter3)."""
     only: str | None = None
     """``size`` or ``depth``: train that stage-1 policy alone and export it (the paper's reward and
     observation ablations are on the size policy alone); None = the whole pipeline."""
     reward: str = "throughput"
-    """throughput (LTD), acceptance or time (the paper's reward ablation); see adaptree.rl.envs."""
+    """throughput (LTD), acceptance or time (the paper's reward ablation); see adaptree.offline.envs."""
     use_depth: bool = True
     """Observation includes D (ablation P+L when False)."""
     use_length: bool = True
@@ -129,7 +129,7 @@ class LTDTrainConfig:
     eval_every: int = 8
     """Validate every this many rollouts (and at the end of a stage)."""
     costs: bool = False
-    """The policies see the machine's cost features (adaptree.offline.family; issue 16)."""
+    """The policies see the machine's cost features (adaptree.offline.family)."""
     family: tuple[str, ...] = ()
     """More measured latency models (JSON files) to train over, next to the main one: each generation runs on a
     member drawn at random (perturbed by ``spread``); validation is the geometric mean over the measured ones."""
@@ -137,8 +137,8 @@ class LTDTrainConfig:
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
     match: bool = False
-    """The policies observe the cycle's context match and every cycle carries the context's chain (issue 19; the
-    chain calibration is fitted on the training traces, ``OUT/chain.json``)."""
+    """The policies observe the cycle's context match and every cycle carries the context's chain (the chain
+    calibration is fitted on the training traces, ``OUT/chain.json``)."""
     chain_tokens: int = 16
     """With ``match``: the longest context chain per cycle."""
     init: str | None = None
@@ -413,8 +413,8 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     """Run every stage (skipping finished ones), compare Iter0..IterN on validation, export the best pair.
 
     :param traces: greedy traces of training prompts (split here into train / validation by prompt).
-    :param latency: the :class:`~adaptree.rl.latency.LatencyModel` of the simulator.
-    :param live_source: a :class:`~adaptree.rl.envs.LiveSource` to train on instead of the simulator.
+    :param latency: the :class:`~adaptree.offline.latency.LatencyModel` of the simulator.
+    :param live_source: a :class:`~adaptree.offline.envs.LiveSource` to train on instead of the simulator.
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

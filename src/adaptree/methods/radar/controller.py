@@ -7,14 +7,15 @@ P(STOP) >= ``threshold`` (0.5 = argmax of the two logits); ``stochastic=True`` s
 paper's released code does (a seeded generator of its own: the sampled tokens stay lossless either
 way, only the tree shape is random). The LSTM state is reset at every cycle.
 
-``chain_tokens`` (issue 19) verifies the context's chain next to RADAR's tree every cycle, its length chosen by
-:class:`~adaptree.methods.hybrid.chain.ChainRule`; a policy trained on a dataset with chains
-(``adaptree radar dataset --chain-tokens K``, ``adaptree radar train --match``) also observes the match (its features
-enter the MLP's state input) and then needs a chain calibration (``chain``).
+``chain_tokens`` verifies the context's chain next to RADAR's tree every cycle, its length chosen by
+:class:`~adaptree.methods.common.chain.ChainRule` (the learned methods' shared runtime,
+:mod:`adaptree.methods.common.runtime`, with the latency model and the AR fallback); a policy trained on a dataset
+with chains (``adaptree radar dataset --chain-tokens K``, ``adaptree radar train --match``) also observes the match
+(its features enter the MLP's state input) and then needs a chain calibration (``chain``).
 
-The policy is a folder (``config.json`` + ``model.safetensors``, :class:`~adaptree.rl.radar.RadarPolicy`)
-given by ``policy``; None = the policy shipped next to the default model's head
-(``heads/smollm2-135m/radar/``), an error naming the flag when none is shipped.
+The policy is a folder (``config.json`` + ``model.safetensors``,
+:class:`~adaptree.methods.radar.policy.RadarPolicy`) given by ``policy``; None = the policy shipped next to the
+default model's head (``heads/smollm2-135m/radar/``), an error naming the flag when none is shipped.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ from typing import ClassVar
 
 import torch
 
-from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape
-from adaptree.core.records import CycleRecord
+from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape
 from adaptree.core.tree import DraftStep
-from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import ChainRule, ChainSeam, check_chain_tokens
+from adaptree.methods.common import LearnedRuntime, LearnedSeam
+
 
 @dataclass
-class RadarConfig(TreeShape):
+class RadarConfig(LearnedRuntime, TreeShape):
     """RADAR's inference settings (tree shape from EAGLE-3, paper §3.1)."""
 
     width: int = 10
@@ -47,38 +47,20 @@ class RadarConfig(TreeShape):
     """Sample the decision from the policy (the paper's released behaviour) instead of thresholding."""
     seed: int = 0
     """Seed of the stochastic decisions' generator (reset with every generation)."""
-    latency: str | None = None
-    """Latency model JSON of this machine: the cost features of a policy that sees them and the AR fallback's
-    costs (filled from the machine setup; without one, the policy's reference costs and no fallback)."""
-    ar_fallback: bool = True
-    """Take AR steps while RADAR's trees earn fewer tokens per modelled second than AR steps here, with probe cycles
-    (adaptree.methods.ar_gate; needs a latency model)."""
-    probe_every: int = 8
-    """In AR mode, AR steps before a probe, counted in units of the cost of RADAR's smallest tree (the interval
-    doubles while probes fail, up to 8x)."""
-    chain: str | None = None
-    """Chain calibration JSON of this model (the machine setup's chain.json): for a policy that observes the context
-    match, and for chain_tokens."""
-    chain_tokens: int | None = None
-    """Longest context chain verified per cycle next to RADAR's tree (adaptree.methods.hybrid.ChainRule; issue 19).
-    Default: 16 with a policy that observes the context match, else none (0)."""
 
     unset_depth: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_chain_tokens(self.chain_tokens)
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
-            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
 
 
-class RadarController(ChainSeam, Controller):
+class RadarController(LearnedSeam, Controller):
     """EAGLE-3's tree with RADAR's learned continue/stop decisions.
 
-    :param policy: a loaded :class:`~adaptree.rl.radar.RadarPolicy` (overrides ``config.policy``).
-    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
+    :param policy: a loaded :class:`~adaptree.methods.radar.policy.RadarPolicy` (overrides ``config.policy``).
+    :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
     """
 
     name = "radar"
@@ -102,46 +84,27 @@ class RadarController(ChainSeam, Controller):
         self.hc = None
         self.last_p_stop = float("nan")
         self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
-        self.gate = ARGate.of(cfg)
-        self.chain_rule = ChainRule.of(cfg, chain_calibration, pc.match_features, self.name)
+        self.observes = pc.match_features
+        self.start_runtime(cfg, chain_calibration, self.observes)
         self.match: list[float] | None = None
-        self.min_size = self.plan.size  # RADAR verifies V nodes whatever depth it stops at
-        if cfg.latency:
-            from adaptree.offline.latency import load_checked
-
-            self.use_latency(load_checked(cfg.latency, quiet=True))
+        self.smallest = (self.plan.width, self.plan.size, self.plan.max_depth)  # V nodes whatever depth it stops at
+        self.load_latency(cfg)
 
     def use_latency(self, latency) -> None:
         if self.policy.config.cost_features:
             from adaptree.offline.family import cost_features
 
             self.costs = self.policy.costs_tensor(cost_features(latency, self.config.width))
-        if self.gate is not None:
-            self.gate.latency = latency
-        if self.chain_rule is not None:
-            self.chain_rule.latency = latency
+        super().use_latency(latency)
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
         self.hc = None
-        if self.gate is not None:
-            self.gate.reset()
+        super().reset()
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
         self.hc = None  # the LSTM state lives for one cycle
-        plan, gate = self.plan, self.gate
-        chain = ()
-        if self.chain_rule is not None:
-            chain = self.chain_rule.begin(ctx)
-            self.match = self.chain_rule.features() if self.policy.config.match_features else None
-        if gate is not None and gate.latency is not None and gate.ar_step(plan.width, self.min_size, plan.max_depth,
-                                                                          ctx.context_len):
-            plan = AR_PLAN
-        return plan.with_chain(chain)
-
-    def end_cycle(self, record: CycleRecord) -> None:
-        if self.gate is not None:
-            self.gate.record(record)
+        return super().begin_cycle(ctx)
 
     @torch.inference_mode()
     def continue_drafting(self, step: DraftStep) -> bool:

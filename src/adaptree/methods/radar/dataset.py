@@ -44,13 +44,13 @@ tokens a cycle can accept, D without chains)
 [C] (nodes of the union forward), ``match_length`` int32 [C] (see below), and a JSON header (key, prompt, stop
 reason, settings, fingerprints).
 
-Context chains (issue 19). With ``chain_tokens`` K > 0 every cycle also carries the context's chain
+Context chains. With ``chain_tokens`` K > 0 every cycle also carries the context's chain
 (:class:`~adaptree.core.context.ContextIndex` over the prompt and the output, n-grams of up to ``max_ngram``; the
 longest earlier match's K-token continuation), as the engine verifies it next to a tree: every stop point's tree
 is then that tree plus the chain's path (the prefix the tree holds shared; still a sub-tree of the one union, so
 the one forward still serves all), ``dist`` and ``sizes`` are those of the trees with the chain, and
 ``match_length`` is the match's length (0: no match, no chain). A policy that observes the match reads its
-features from the length through a chain calibration (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`).
+features from the length through a chain calibration (:meth:`~adaptree.methods.common.chain.ChainRule.features`).
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ class RadarDataSettings(StoreSettings):
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
     chain_tokens: int = 0
-    """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree
-    (issue 19); 0: head trees only."""
+    """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree;
+    0: head trees only."""
     max_ngram: int = 4
     """With chain_tokens: the longest n-gram the context index matches (a chain calibration's max_ngram)."""
 
@@ -226,7 +226,7 @@ class RadarRecorder(Controller):
     union of every stop point's tree on the engine's cache (then truncated back) and stores the exact
     acceptance-length distributions. The engine then verifies the ``max_depth`` tree as usual.
 
-    :param engine: the :class:`~adaptree.engine.Engine` this controller is used with (its target and cache).
+    :param engine: the :class:`~adaptree.core.engine.Engine` this controller is used with (its target and cache).
     """
 
     name = "radar-recorder"

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, match_values
+from adaptree.methods.common import MATCH_FEATURES, match_values
 from adaptree.offline.family import COST_FEATURES, check_costs, costs_or_reference
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import dataclass_from_dict
@@ -49,13 +49,12 @@ class RadarModelConfig:
     step_feature: bool = True
     """Append t / D_max to the MLP's state input."""
     cost_features: bool = False
-    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES) to the MLP's state input
-    (issue 16)."""
+    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES) to the MLP's state input."""
     reference_costs: list[float] | None = None
     """The cost features assumed when no latency model is given (the training family's median)."""
     match_features: bool = False
-    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19) to the
-    MLP's state input, after the costs."""
+    """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES) to the MLP's state
+    input, after the costs."""
 
     def __post_init__(self) -> None:
         for name in ("width", "max_depth", "hidden", "layers", "mlp_hidden"):

@@ -1,4 +1,4 @@
-"""Offline REINFORCE for RADAR's prediction model (SPEC.md §4), on a dataset of :mod:`.radar_data`.
+"""Offline REINFORCE for RADAR's prediction model (SPEC.md §4), on a dataset of :mod:`.dataset`.
 
 One episode = one recorded cycle. The states (beam scores after each draft forward) do not depend on
 the decisions, only how far the episode gets, so a whole batch of episodes is one LSTM pass:
@@ -15,7 +15,7 @@ the decisions, only how far the episode gets, so a whole batch of episodes is on
    ``baseline="none"`` is plain REINFORCE), loss ``-sum_t log pi(a_t|s_t) (G_t - b_t)``, Adam (lr 1e-4,
    weight decay 1e-4), gradient clipping 1.0, cosine learning-rate schedule, dropout 0.1 in the MLP.
 
-Timing constants: a :class:`~.latency.LatencyModel` (per cycle: ``t_draft = draft_step(W, L)``,
+Timing constants: a :class:`~adaptree.offline.latency.LatencyModel` (per cycle: ``t_draft = draft_step(W, L)``,
 ``t_fixed = verify_time(V_k, L) + other_s`` with the stop point's own V_k and the cycle's context
 length L) or three given numbers. ``beta`` defaults to ``1 / throughput`` of the always-continue policy
 (EAGLE-3's static depth D_max) on the training cycles, so terminal rewards are about 1 and ``alpha`` is
@@ -88,7 +88,7 @@ class RadarTrainConfig:
     bonus: bool = True
     """Count the target's bonus token in the speed numerator (acc + 1)."""
     latency: str | None = None
-    """LatencyModel JSON (adaptree.rl.latency); else t_fixed / t_draft / t_policy."""
+    """LatencyModel JSON (adaptree.offline.latency); else t_fixed / t_draft / t_policy."""
     t_fixed: float | None = None
     """Seconds per cycle outside drafting: verification + overhead (without a latency model)."""
     t_draft: float | None = None
@@ -104,7 +104,7 @@ class RadarTrainConfig:
     checkpoint_every: int = 500
     """Checkpoint every this many updates (and at the end)."""
     costs: bool = False
-    """The policy sees the machine's cost features (adaptree.offline.family; issue 16); needs a latency model."""
+    """The policy sees the machine's cost features (adaptree.offline.family); needs a latency model."""
     family: tuple[str, ...] = ()
     """More measured latency models (JSON files) to train over, next to ``latency``: each training cycle is
     replicated ``members`` times, each replica on a member drawn at random (perturbed by ``spread``); alpha is
@@ -115,8 +115,8 @@ class RadarTrainConfig:
     members: int = 8
     """Family members drawn per training cycle (with a family)."""
     match: bool = False
-    """The policy observes the cycle's context match (issue 19): needs a dataset recorded with --chain-tokens and a
-    chain calibration (``chain``)."""
+    """The policy observes the cycle's context match: needs a dataset recorded with --chain-tokens and a chain
+    calibration (``chain``)."""
     chain: str | None = None
     """With match: the chain calibration JSON (the machine setup's chain.json) the match features are read from."""
     seed: int = 0
@@ -240,10 +240,11 @@ def cycle_times(sizes: np.ndarray, context_len: np.ndarray, width: int, cfg: Rad
 
 
 def match_features(records, calibration) -> torch.Tensor:
-    """``[N, M]`` the match features of every recorded cycle (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`
-    of its match length, read through ``calibration``; zeros without a match)."""
+    """``[N, M]`` the match features of every recorded cycle
+    (:meth:`~adaptree.methods.common.chain.ChainRule.features` of its match length, read through ``calibration``;
+    zeros without a match)."""
     from adaptree.core.context import ContextMatch
-    from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule
+    from adaptree.methods.common import MATCH_FEATURES, ChainRule
 
     rule = ChainRule(calibration, 1)
     memo: dict[int, list[float]] = {0: [0.0] * len(MATCH_FEATURES)}
@@ -489,7 +490,7 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     latency = load_latency(cfg)
     calibration = None
     if cfg.match:
-        from adaptree.methods.hybrid import ChainCalibration
+        from adaptree.methods.common import ChainCalibration
 
         if not st.chain_tokens:
             raise ValueError(f"{cfg.data} was recorded without context chains: record it with --chain-tokens K to "

