@@ -263,6 +263,8 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
     datasets = list(res)
     methods = list(dict.fromkeys(m for ds in res.values() for m in ds))
     paths = []
+    if not methods:  # nothing ran (no prompts, or every run skipped): no figures, the report says why
+        return paths
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(datasets) * len(methods) ** 0.5 + 3), 4))
     w = 0.8 / max(len(methods), 1)

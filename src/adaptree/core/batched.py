@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from adaptree.core.verify import greedy_tokens
+from adaptree.core.verify import SamplingConfig, greedy_tokens
 
 
 class Decoded(NamedTuple):
@@ -102,6 +102,8 @@ def batched_decode(target, prompts: Sequence[Sequence[int]], max_new_tokens: int
     new = [int(max_new_tokens)] * n_prompts if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
     if len(new) != n_prompts or min(new) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, one for all prompts or one per prompt; got {max_new_tokens!r}")
+    if temperature != 0.0:
+        SamplingConfig(temperature=temperature)  # its range: below MIN_TEMPERATURE softmax(logits / T) is NaN
     if batch_size is not None and (isinstance(batch_size, bool) or batch_size < 1):
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     eos = frozenset(int(t) for t in eos_token_ids)

@@ -35,6 +35,9 @@ SELECT = ("longest", "recent")
 DEFAULT_SELECT = SELECT[0]
 """The rule of a :class:`ContextIndex`, a chain calibration and its fits unless told otherwise."""
 
+MAX_MATCH = 64
+"""A :class:`ContextIndex`'s longest match by default, and so the longest n-gram a method may ask it to index."""
+
 
 @dataclass(frozen=True)
 class ContextMatch:
@@ -62,7 +65,8 @@ class ContextIndex:
         cost at ``scan * max_match`` token comparisons).
     """
 
-    def __init__(self, max_ngram: int = 8, max_match: int = 64, select: str = DEFAULT_SELECT, scan: int = 64) -> None:
+    def __init__(self, max_ngram: int = 8, max_match: int = MAX_MATCH, select: str = DEFAULT_SELECT,
+                 scan: int = 64) -> None:
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
             raise ValueError(f"max_ngram must be a positive integer, got {max_ngram!r}")
         if isinstance(max_match, bool) or not isinstance(max_match, int) or max_match < max_ngram:

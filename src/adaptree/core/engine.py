@@ -87,6 +87,10 @@ class Engine:
         if n >= self.max_len:
             raise ValueError(f"the prompt has {n} tokens; the context limit is {self.max_len}, "
                              f"leaving no room to generate")
+        vocab = self.target.config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # the embedding lookup's IndexError would not name it
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         dev = self.device

@@ -18,13 +18,17 @@ import torch
 
 from adaptree.core.tree import VerifyTree
 
+MIN_TEMPERATURE = 1e-5
+"""The smallest sampling temperature: logits / T overflows float32 for smaller ones (softmax then gives NaN), and
+sampling there is greedy anyway up to exact ties (ask for temperature 0)."""
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's next-token distribution is turned into tokens."""
 
     temperature: float = 0.0
-    """0 means greedy (argmax); > 0 samples from softmax(logits / temperature)."""
+    """0 means greedy (argmax); >= 1e-5 samples from softmax(logits / temperature)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
     top_k: int = 0
@@ -33,8 +37,13 @@ class SamplingConfig:
     """Seed of the sampling generator; the same seed gives the same output."""
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+        if not self.temperature >= 0.0:  # NaN fails too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == float("inf"):
+            raise ValueError(f"temperature must be finite, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -41,7 +41,8 @@ def _package_file(module: str, relative: str, install: str) -> Path:
 
 
 def load_question_file(path: str | Path, dataset: str | None = None) -> list[Prompt]:
-    """An EAGLE-format question file: one JSON object per line with ``turns`` (list of strings)."""
+    """An EAGLE-format question file: one JSON object per line with ``turns`` (list of strings); a file without a
+    question is an error."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {str(path)!r} does not exist")
@@ -54,10 +55,14 @@ def load_question_file(path: str | Path, dataset: str | None = None) -> list[Pro
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: a question must be a JSON object with 'turns', got {line.strip()[:80]}")
             turns = obj.get("turns")
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
             out.append(Prompt(dataset or path.stem, str(obj.get("question_id", n)), tuple(turns)))
+    if not out:
+        raise ValueError(f"question file {str(path)!r} holds no questions (one JSON object with 'turns' per line)")
     return out
 
 
@@ -143,5 +148,5 @@ def load_prompt_sets(datasets: Sequence[str], question_file: str | Path | None =
     sets = [(name, load_dataset(name)[:limit]) for name in datasets if name]
     if question_file:
         qs = load_question_file(question_file)
-        sets.append((qs[0].dataset if qs else "questions", qs[:limit]))
+        sets.append((qs[0].dataset, qs[:limit]))
     return sets

@@ -148,6 +148,8 @@ class Eagle3Config:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "Eagle3Config":
         """Build from a released / SpecForge ``config.json`` dictionary (a LlamaConfig plus draft fields)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"an EAGLE-3 config must be a JSON object, got {type(cfg).__name__} {cfg!r:.80}")
         if "speculators_config" in cfg or "transformer_layer_config" in cfg:
             raise ValueError("this is a 'speculators' (Eagle3Speculator) config; only the EAGLE/SpecForge "
                              f"{ARCHITECTURE} layout is supported")
@@ -230,6 +232,19 @@ class Eagle3Config:
 # --------------------------------------------------------------------------------------------------
 # vocabulary mapping
 # --------------------------------------------------------------------------------------------------
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """A head's ``config.json``; a ValueError naming the file when it is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object (the head's config), got {type(data).__name__} "
+                         f"{data!r:.80}")
+    return data
 
 
 def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -507,24 +522,25 @@ class Eagle3Head(nn.Module):
 
     @staticmethod
     def _read_weights(folder: str) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors; a truncated or corrupt file is a ValueError naming it."""
         st = os.path.join(folder, "model.safetensors")
         st_index = os.path.join(folder, "model.safetensors.index.json")
         pt = os.path.join(folder, "pytorch_model.bin")
-        if os.path.isfile(st):
-            from safetensors.torch import load_file
-            return load_file(st, device="cpu")
-        if os.path.isfile(st_index):
-            from safetensors.torch import load_file
-            with open(st_index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            out: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                out.update(load_file(os.path.join(folder, shard), device="cpu"))
-            return out
+        if os.path.isfile(st) or os.path.isfile(st_index):
+            from adaptree.models.hf import read_safetensors_state_dict
+
+            return read_safetensors_state_dict(folder)
         if os.path.isfile(pt):
-            sd = torch.load(pt, map_location="cpu", weights_only=True)
-            if not isinstance(sd, dict):
-                raise ValueError(f"{pt} does not hold a state dict")
+            # weights_only: torch's restricted unpickler, which builds tensors and containers only (a full
+            # unpickle would run whatever code the file names)
+            try:
+                sd = torch.load(pt, map_location="cpu", weights_only=True)
+            except Exception as exc:  # UnpicklingError, a bad zip: torch's own text would suggest weights_only=False
+                raise ValueError(f"{pt}: not a weights-only PyTorch checkpoint ({type(exc).__name__}): the file is "
+                                 "corrupt or its pickle holds more than tensors, and adaptree does not run pickles; "
+                                 "convert the head to model.safetensors") from None
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise ValueError(f"{pt} does not hold a state dict (a mapping of names to tensors)")
             return sd
         raise FileNotFoundError(f"no model.safetensors, model.safetensors.index.json or pytorch_model.bin "
                                 f"in {folder}")
@@ -543,8 +559,10 @@ class Eagle3Head(nn.Module):
         cfg_path = os.path.join(folder, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in {folder}")
-        with open(cfg_path) as f:
-            cfg = Eagle3Config.from_hf_dict(json.load(f))
+        try:
+            cfg = Eagle3Config.from_hf_dict(_read_config(cfg_path))
+        except (TypeError, AttributeError) as exc:  # a field of the wrong JSON type (a list for a number, ...)
+            raise ValueError(f"{cfg_path}: a field has the wrong type ({exc})") from None
         if target is not None:
             tc = target.config
             if cfg.target_hidden_size != tc.hidden_size:

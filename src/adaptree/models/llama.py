@@ -14,6 +14,7 @@ so state dicts load with ``strict=True``.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 
@@ -376,6 +377,26 @@ def _use_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / f"{torch.__version__}-{level}")
 
 
+class ContextLimitError(ValueError):
+    """A context limit the model cannot take (a bad value given, not a broken model file)."""
+
+
+def context_limit(cfg: ModelConfig, max_seq_len: int | None = None) -> int:
+    """``max_seq_len``, or the model's own context capped at 8192; a :class:`ContextLimitError` naming the value when
+    it is not in 2..``max_position_embeddings`` (the rotary tables and caches are sized by it: a huge value would
+    try to allocate terabytes, and positions past the trained ones are not the model's)."""
+    if max_seq_len is None:
+        return min(cfg.max_position_embeddings, 8192)
+    try:
+        n = operator.index(max_seq_len)  # ints and numpy integers, not floats or bools
+    except TypeError:
+        n = None
+    if n is None or isinstance(max_seq_len, bool) or not 2 <= n <= cfg.max_position_embeddings:
+        raise ContextLimitError(f"max_seq_len must be in 2..{cfg.max_position_embeddings} (this model's context, "
+                                f"max_position_embeddings), got {max_seq_len!r}")
+    return n
+
+
 class Transformer(nn.Module):
     """Llama-family causal LM with tree attention and EAGLE-3 feature taps."""
 
@@ -388,7 +409,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # The context limit; by default the model's own, capped at 8192 to keep the rotary tables and the
         # preallocated caches small on CPU (pass max_seq_len to go further).
-        self.max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 8192)
+        self.max_seq_len = context_limit(cfg, max_seq_len)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_seq_len)
         self._compiled = None
         self.compile_tokens = 0

@@ -21,7 +21,7 @@ from adaptree.models.cache import (
 )
 from adaptree.models.gguf_file import is_gguf_file, load_gguf
 from adaptree.models.hf import load_hf_folder
-from adaptree.models.llama import Transformer
+from adaptree.models.llama import ContextLimitError, Transformer
 from adaptree.models.tokenizer import TokenizerBundle
 
 __all__ = ["float_cache_folder", "load_model", "load_target"]
@@ -89,6 +89,8 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
     folder = float_cache_folder(name_or_path, dtype)
     try:
         return load_float_folder(folder, dtype, max_seq_len)
+    except ContextLimitError:  # the caller's value, not a broken cache: converting again would not help
+        raise
     except (ValueError, OSError) as e:
         log.warning("the cached model %s does not load (%s); converting it again", folder, e)
     discard_float_folder(folder)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaptree.core.context import ContextIndex
+from adaptree.core.context import MAX_MATCH, ContextIndex
 from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.tree import DraftTree
 from adaptree.methods.common import ChainCalibration, shared_ranks
@@ -65,6 +65,8 @@ class HybridConfig(CostAwareConfig):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_n > MAX_MATCH:
+            raise ValueError(f"max_n must be <= {MAX_MATCH} (the context index's longest match), got {self.max_n}")
 
 
 class HybridController(CostAwareController):

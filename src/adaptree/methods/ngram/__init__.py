@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adaptree.core.context import SELECT, ContextIndex
+from adaptree.core.context import MAX_MATCH, SELECT, ContextIndex
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 
 
@@ -40,6 +40,8 @@ class NgramConfig:
             raise ValueError(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+        if self.max_n > MAX_MATCH:
+            raise ValueError(f"max_n must be <= {MAX_MATCH} (the context index's longest match), got {self.max_n}")
 
 
 class NgramController(Controller):

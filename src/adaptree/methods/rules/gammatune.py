@@ -47,7 +47,7 @@ class GammatuneConfig(TreeShape):
     min_factor: float = 0.5
     """Smallest depth as a fraction of the default depth (gamma_min = D0 / 2)."""
     max_factor: float = 1.5
-    """Largest depth as a multiple of the default depth (gamma_max = 1.5 D0)."""
+    """Largest depth as a multiple of the default depth (gamma_max = 1.5 D0; at most 64)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,8 +55,8 @@ class GammatuneConfig(TreeShape):
             raise ValueError(f"rate (eta) must be in (0, 1], got {self.rate}")
         if not 0.0 < self.min_factor <= 1.0:
             raise ValueError(f"min_factor must be in (0, 1], got {self.min_factor}")
-        if not self.max_factor >= 1.0:
-            raise ValueError(f"max_factor must be >= 1, got {self.max_factor}")
+        if not 1.0 <= self.max_factor <= MAX_DEPTH:  # past MAX_DEPTH x D0 the depth is capped anyway
+            raise ValueError(f"max_factor must be in [1, {MAX_DEPTH}], got {self.max_factor}")
 
     @property
     def bounds(self) -> tuple[int, int]:
