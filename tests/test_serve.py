@@ -303,6 +303,23 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "cat " * CONTEXT}]}, "messages", "context_length_exceeded",
      f"context is {CONTEXT}"),
     ({"max_tokens": CONTEXT}, "max_tokens", "context_length_exceeded", f"max_tokens ({CONTEXT})"),
+    # values that passed the request checks and failed in the engine or in the method's arithmetic (500s)
+    ({"temperature": 1e-40}, "temperature", "invalid_value", "1e-40"),
+    ({"extra_body": {"method": "gammatune", "method_options": {"max_factor": 1e308}}}, "method_options",
+     "invalid_value", "1e+308"),
+    ({"extra_body": {"method": "ngram", "method_options": {"max_n": 65}}}, "method_options", "invalid_value",
+     "got 65"),
+    # trees past the server's limits (ServeConfig.max_tree_*)
+    ({"max_tokens": 3, "extra_body": {"method": "static", "method_options": {"width": 64, "depth": 64, "size": 8150}}},
+     "method_options", "limit_exceeded", "width 64"),
+    ({"extra_body": {"method": "static", "method_options": {"width": 4, "depth": 33, "size": 8}}}, "method_options",
+     "limit_exceeded", "depth 33"),
+    ({"extra_body": {"method": "deagle", "method_options": {"size": 257}}}, "method_options", "limit_exceeded",
+     "257; this server allows at most 256"),
+    ({"extra_body": {"method": "ngram", "method_options": {"tokens": 10 ** 6}}}, "method_options", "limit_exceeded",
+     str(10 ** 6)),
+    ({"extra_body": {"method": "gammatune", "method_options": {"depth": 30, "max_factor": 1.5}}}, "method_options",
+     "limit_exceeded", "depth 45"),
 ]
 
 
@@ -327,32 +344,57 @@ def test_bad_completion_prompts(client, prompt, named):
 
 
 @pytest.mark.parametrize("data, named", [(b'{"model": "tiny", "messages": [', "not valid JSON"),
-                                         (b"[1, 2]", "JSON object, got list"), (b"\xff\xfe", "not valid JSON")])
+                                         (b"[1, 2]", "JSON object, got list"), (b"\xff\xfe", "not valid JSON"),
+                                         (b"[" * 100_000, "100000 levels deep; the limit is 64"),
+                                         (b'{"a": ' + b"[" * 65 + b"]" * 65 + b"}", "66 levels deep")],
+                         ids=["unfinished", "a-list", "not-utf8", "100000-nested", "66-nested"])
 def test_malformed_bodies(server, data, named):
     status, body = post_raw(server, "/v1/chat/completions", data)
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and named in body["error"]["message"]
 
 
 def test_a_failing_generation_is_an_error_object_and_the_server_goes_on(server, client):
-    """temperature=1e-40 passes the sampling checks but overflows softmax(logits / T) in the engine (the engine's
-    own failure, not a planted one): answered as an error object, the server stays up."""
+    """temperature=1e-40 used to pass the sampling checks and overflow softmax(logits / T) in the engine: now it is
+    refused (400) before it queues, streaming or not. A generation that does fail in the engine (here a controller
+    that raises in its first cycle, handed to the scheduler as a request's would be) is answered with an error
+    object, counted as failed, and the engine thread goes on with the next request."""
     before = metrics(server)
     for stream in (False, True):
-        try:
+        with pytest.raises(openai.APIStatusError) as err:
             out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=1e-40,
                                                  stream=stream)
             list(out) if stream else out
-        except openai.APIStatusError as exc:  # not streaming: the status says it
-            e = error_of(exc)
-            assert exc.status_code in (400, 500) and e["message"], e
-        except openai.APIError as exc:  # streaming: the error arrives as an event after the 200
-            assert exc.body["type"] == "server_error" and "the generation failed" in exc.body["message"]
+        e = error_of(err.value)
+        assert err.value.status_code == 400 and "1e-40" in e["message"], e
     after = metrics(server)
     failed = count(after, "adaptree_requests_total", endpoint="chat", outcome="failed") - \
         count(before, "adaptree_requests_total", endpoint="chat", outcome="failed")
     invalid = count(after, "adaptree_requests_total", endpoint="chat", outcome="invalid") - \
         count(before, "adaptree_requests_total", endpoint="chat", outcome="invalid")
-    assert failed + invalid == 2
+    assert failed + invalid == 2 and invalid == 2
+
+    import asyncio
+
+    from adaptree.core.controller import StaticController
+    from adaptree.core.verify import SamplingConfig
+    from adaptree.serve.scheduler import Job
+
+    class Failing(StaticController):
+        def begin_cycle(self, ctx):
+            raise RuntimeError("the controller broke")
+
+    async def run_failing():
+        job = Job([5, 6, 7], Failing(), 4, SamplingConfig(), endpoint="chat")
+        server.app_state.scheduler.submit(job)
+        while True:  # the prefill's token comes first
+            kind, value = await job.next_event()
+            if kind != "text":
+                return kind, value
+
+    kind, error = asyncio.run(run_failing())
+    assert kind == "error" and error.status == 500 and "the controller broke" in error.message
+    assert count(metrics(server), "adaptree_requests_total", endpoint="chat", outcome="failed") == \
+        count(after, "adaptree_requests_total", endpoint="chat", outcome="failed") + 1
     assert client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0).choices
     assert get(server, "/health")[1]["status"] == "ok"
 
@@ -440,6 +482,106 @@ def test_load_every_request_completes_or_gets_429_and_none_is_interleaved(server
     assert count(after, "adaptree_requests_total", endpoint="chat", outcome="rejected") - \
         count(before, "adaptree_requests_total", endpoint="chat", outcome="rejected") == res["rejected_429"]
     assert idle(server) and get(server, "/health")[1]["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------------- what one request may cost
+
+TIGHT = ServeConfig(port=0, served_model_name="tiny", warmup=False, max_body_bytes=4096, max_verified_nodes=1000)
+
+
+@pytest.fixture(scope="module")
+def tight(pipe):
+    """A second server on the same pipeline with small limits (its requests never run beside the module server's:
+    the tests run one at a time)."""
+    srv = start_server(pipe, TIGHT)
+    yield srv
+    srv.stop()
+
+
+def test_max_tokens_times_the_tree_is_bounded_and_an_unset_max_tokens_is_capped(tight):
+    c = openai.OpenAI(base_url=f"{tight.url}/v1", api_key="none", max_retries=0, timeout=60)
+    tree = {"method": "static", "method_options": {"width": 4, "depth": 4, "size": 60}}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="tiny", messages=MSG, max_tokens=17, temperature=0, extra_body=tree)
+    e = error_of(err.value)
+    assert (e["param"], e["code"]) == ("max_tokens", "limit_exceeded"), e
+    assert "max_tokens 17 with 61 verified nodes per cycle may verify 1037 nodes" in e["message"], e
+    assert "allows 1000 per request" in e["message"] and "at most 16 tokens" in e["message"], e
+    r = c.chat.completions.create(model="tiny", messages=MSG, temperature=0, extra_body=tree)  # no max_tokens: 16
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_a_body_past_the_limit_is_refused_while_it_streams_in(tight):
+    """A chunked upload (no Content-Length) is answered 413 once the limit is passed, before the body ends (the
+    client here never ends it: a server that read the whole body first would never answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", tight.port, timeout=20)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for _ in range(5):  # 5 KiB of an unfinished body; the limit is 4 KiB
+            conn.send(b"400\r\n" + b" " * 1024 + b"\r\n")
+        r = conn.getresponse()
+        body = json.loads(r.read())
+    finally:
+        conn.close()
+    assert r.status == 413 and body["error"]["code"] == "request_too_large", body
+    assert "more than 4096 bytes" in body["error"]["message"]
+
+
+def test_the_depth_scan_agrees_with_the_parsed_json():
+    from adaptree.serve.limits import json_depth
+
+    def depth(x) -> int:
+        if isinstance(x, dict):
+            return 1 + max(map(depth, x.values()), default=0)
+        if isinstance(x, list):
+            return 1 + max(map(depth, x), default=0)
+        return 0
+
+    bodies = [{}, [], {"a": "[[[{{"}, {"a": ["x\\", ["]]\""]], "b": "\\\"[["}, [[[[{"k": [1, "}}"]}]]]],
+              {"messages": [{"role": "user", "content": "\\" * 7 + '"[' * 50}]}, "a plain string"]
+    for body in bodies:
+        raw = json.dumps(body).encode()
+        assert json_depth(raw) == depth(json.loads(raw)), raw
+        assert json_depth(json.dumps(body, indent=2, ensure_ascii=False).encode()) == depth(body)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "[{" * 200 + "\\\""}],
+                                       max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_an_operator_raises_the_limits_by_flag(pipe, server, client):
+    """--max-tree-width and its siblings are ServeConfig fields; a raised limit lets the wider tree through."""
+    from adaptree.cli import build_parser
+    from adaptree.cli.serve import _server_flags
+
+    args = build_parser().parse_args(["serve", "--max-tree-width", "64", "--max-tree-depth", "40", "--max-tree-size",
+                                      "512", "--max-verified-nodes", "5000", "--max-json-depth", "8"])
+    config = _server_flags().build(args)
+    assert (config.max_tree_width, config.max_tree_depth, config.max_tree_size, config.max_verified_nodes,
+            config.max_json_depth) == (64, 40, 512, 5000, 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-tree-width", "0"])
+    wide = {"method": "static", "method_options": {"width": 40, "depth": 2, "size": 8}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0, extra_body=wide)
+    assert "width 40; this server allows at most 32 (adaptree serve --max-tree-width)" in error_of(err.value)["message"]
+    srv = start_server(pipe, ServeConfig(port=0, served_model_name="tiny", warmup=False, max_tree_width=64))
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=4, temperature=0, extra_body=wide)
+        assert r.choices[0].message.content == pipe.generate(MSG, method="static", max_new_tokens=4,
+                                                             **wide["method_options"]).text
+    finally:
+        srv.stop()
+    from adaptree.serve import create_app
+
+    with pytest.raises(ValueError, match="the server's default method: .*width 40"):  # a default past the limits
+        create_app(pipe, ServeConfig(method="static", method_options=wide["method_options"]))
 
 
 # ------------------------------------------------------------------------------------ other servers, shutdown

@@ -13,7 +13,8 @@ def _server_flags() -> ConfigFlags:
     from adaptree.serve.config import ServeConfig
 
     return ConfigFlags(ServeConfig, exclude=("method", "method_options"),
-                       positive=("default_max_tokens", "max_body_bytes"),
+                       positive=("default_max_tokens", "max_body_bytes", "max_json_depth", "max_tree_width",
+                                 "max_tree_depth", "max_tree_size", "max_verified_nodes"),
                        help={"api_key": "a key clients must send as 'Authorization: Bearer KEY' (default: "
                                         "$ADAPTREE_API_KEY; none needed when unset)"})
 

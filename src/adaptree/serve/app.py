@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from adaptree.core.pipeline import PipelineLike
-from adaptree.serve import protocol
+from adaptree.serve import limits, protocol
 from adaptree.serve.config import ServeConfig
 from adaptree.serve.errors import APIError, InvalidRequest, NotFound, Unauthorized, error_body
 from adaptree.serve.metrics import Metrics
@@ -53,7 +53,12 @@ class Server:
             raise ValueError(f"default_max_tokens must be >= 1, got {config.default_max_tokens}")
         self.model = config.served_model_name or _model_name(pipeline)
         self.default_method = config.method or pipeline.default_method
-        pipeline.controller(self.default_method, **config.method_options)  # a bad default fails now, not per request
+        # a bad default fails now, not per request
+        default = pipeline.controller(self.default_method, **config.method_options)
+        try:
+            limits.check_tree(limits.tree_cost(getattr(default, "config", None)), config, self.default_method)
+        except InvalidRequest as exc:
+            raise ValueError(f"the server's default method: {exc.message}") from None
         self.tokenizer_lock = threading.Lock()
         self.metrics = Metrics()
         self.scheduler = Scheduler(pipeline, config.max_queue, self.metrics, self.tokenizer_lock)
@@ -153,16 +158,26 @@ class Server:
             raise Unauthorized("a valid API key is needed: send 'Authorization: Bearer KEY'", code="invalid_api_key")
 
     async def _body(self, request: Request) -> Any:
+        limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.config.max_body_bytes:
-            raise _TooLarge(f"the request body has {length} bytes; the limit is {self.config.max_body_bytes}")
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            raise _TooLarge(f"the request body has {len(raw)} bytes; the limit is {self.config.max_body_bytes}")
+        if length and length.isdigit() and int(length) > limit:
+            raise _TooLarge(f"the request body has {length} bytes; the limit is {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it arrives: a chunked upload without a length is cut off too
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge(f"the request body has more than {limit} bytes (the limit)")
+            chunks.append(chunk)
+        return await run_in_threadpool(self._parse, b"".join(chunks))  # megabytes of JSON: off the event loop
+
+    def _parse(self, raw: bytes) -> Any:
+        limits.check_json_depth(raw, self.config.max_json_depth)  # before the parser recurses into it
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:  # past the depth scan (it cannot be, but a 500 would be the wrong answer)
+            raise InvalidRequest("the request body nests too deep to parse", code="invalid_json") from None
 
     def _prepare(self, req: GenerationRequest) -> tuple[list[int], Any, int]:
         """Token ids, controller and max new tokens of ``req`` (in a worker thread: tokenising and loading a
@@ -172,6 +187,7 @@ class Server:
         options = protocol.check_method_options(method, req.method_options)  # the request's: no file paths
         if req.method is None:  # the server's default method with the server's options (files allowed there)
             options = {**self.config.method_options, **options}
+        cost = self._tree_cost(method, options)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             vocab = p.target.config.vocab_size
             bad = [t for t in req.prompt if not 0 <= t < vocab]
@@ -203,7 +219,8 @@ class Server:
                                      param="max_tokens", code="context_length_exceeded")
             max_new = req.max_tokens
         else:
-            max_new = min(self.config.default_max_tokens, limit - n)
+            max_new = max(1, min(self.config.default_max_tokens, limit - n, limits.budget_tokens(cost, self.config)))
+        limits.check_budget(cost, max_new, self.config)
         from adaptree.methods import MissingAssetError
 
         try:
@@ -211,10 +228,25 @@ class Server:
         except MissingAssetError as exc:
             raise InvalidRequest(f"method {method!r} cannot run on this model: {exc}", param="method",
                                  code="method_unavailable") from None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, ArithmeticError) as exc:
             raise InvalidRequest(f"bad options for method {method!r}: {exc}", param="method_options",
                                  code="invalid_value") from None
         return ids, controller, max_new
+
+    def _tree_cost(self, method: str, options: dict[str, Any]) -> limits.TreeCost:
+        """The tree ``method`` may draft with ``options``, within this server's limits (its config alone is built:
+        a controller may size tables by its tree)."""
+        from adaptree.methods import REGISTRY
+
+        config_class = REGISTRY[method].config
+        try:
+            config = config_class(**options) if config_class is not None else None
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            raise InvalidRequest(f"bad options for method {method!r}: {exc}", param="method_options",
+                                 code="invalid_value") from None
+        cost = limits.tree_cost(config)
+        limits.check_tree(cost, self.config, method)
+        return cost
 
     async def _generate(self, request: Request, kind: str, endpoint: str) -> Response:
         arrived = time.perf_counter()

@@ -28,8 +28,27 @@ class ServeConfig:
     warmup: bool = True
     """Run one short generation before taking requests (the first forwards are slower)."""
     max_body_bytes: int = 8 * 1024 * 1024
-    """Larger request bodies are refused (413)."""
+    """Larger request bodies are refused (413), as soon as that many bytes have arrived."""
+    max_json_depth: int = 64
+    """Request bodies whose arrays and objects nest deeper are refused (400) before they are parsed."""
+    max_tree_width: int = 32
+    """The widest draft tree (beam width W) a request's method may draft; a wider one is refused (400)."""
+    max_tree_depth: int = 32
+    """The deepest draft tree (draft forwards per cycle) a request's method may draft; a deeper one is refused."""
+    max_tree_size: int = 256
+    """The most draft nodes a request's method may verify per cycle (V plus a context chain's tokens)."""
+    max_verified_nodes: int = 1 << 20
+    """The most nodes one request may verify: max_tokens x nodes per cycle (the root included; one token per cycle
+    at worst) beyond it is refused, a request without max_tokens is capped to it. The default lets every method's
+    default tree run over an 8192-token context."""
     method: str | None = None
     """The method of requests that name none (default: the pipeline's default_method, this machine's best)."""
     method_options: dict[str, Any] = field(default_factory=dict)
     """That method's options (config fields)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_tree_width", "max_tree_depth", "max_tree_size",
+                     "max_verified_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

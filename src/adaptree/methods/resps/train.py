@@ -368,10 +368,6 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
         the time budget ran out first (rerun to continue).
     """
-    from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
-    from stable_baselines3.common.vec_env import DummyVecEnv
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     facts = dict(facts or {})
@@ -379,151 +375,229 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     settings = _settings(cfg, {"hidden": hidden, "source": "live" if live else "simulator",
                                "validation": type(validator).__name__, "val_prompts": validator.keys, **facts})
     pin_settings(out, settings, "a Re-SpS run")
-    if cfg.match:
-        if chain_calibration is None:
-            raise ValueError("a Re-SpS run with match needs the chain calibration of its training prompts "
-                             "(ChainCalibration.fit(traces))")
-        chain_calibration.save(out / "chain.json")
-
-    spec = cfg.state_spec(hidden)
-    pcfg = cfg.policy_config(hidden)
-    plans = [(k, d, tt) for tt, d, k in cfg.actions()]
-    result_file, ckpt, best_dir = out / "result.json", out / "checkpoint", out / "best"
+    _save_chain(cfg, chain_calibration, out)
     t_start = time.perf_counter()
-    interrupted = False
+    result = _finished(cfg, out)
+    if result is None:  # train, or go on training (a larger --steps continues a finished run)
+        run = _PPORun(cfg, out, source, validator, hidden, 1 if live else cfg.n_envs, tokenizer, chain_calibration,
+                      progress)
+        if not run.learn():
+            return run.interruption()
+        result = run.result()
+        write_json(result, out / RESULT)
+    return _export_and_summarise(cfg, out, result, settings, validator, facts, tokenizer, chain_calibration, t_start)
 
-    done = json.loads(result_file.read_text()) if result_file.exists() else None
-    if done is not None and done["timesteps"] >= cfg.steps and (best_dir / "config.json").exists():
-        result = done  # finished: only the export and the summary are rebuilt (a larger --steps continues)
-    else:
-        n_envs = 1 if live else cfg.n_envs
-        found = runs.find_checkpoint(ckpt, SB3_WEIGHTS)
-        resumed = found is not None
-        state = runs.checkpoint_state(found) if resumed else {
+
+RESULT = "result.json"
+"""A finished run's training result (timesteps, rollouts, seconds, the best validation)."""
+
+
+def _save_chain(cfg: ReSpSTrainConfig, chain_calibration, out: Path) -> None:
+    """With ``match``: the run's chain calibration, saved as ``OUT/chain.json`` (inference reads it from there)."""
+    if not cfg.match:
+        return
+    if chain_calibration is None:
+        raise ValueError("a Re-SpS run with match needs the chain calibration of its training prompts "
+                         "(ChainCalibration.fit(traces))")
+    chain_calibration.save(out / "chain.json")
+
+
+def _finished(cfg: ReSpSTrainConfig, out: Path) -> dict | None:
+    """The training result of a run in ``out`` that reached ``cfg.steps`` and kept a best checkpoint, else None."""
+    path = out / RESULT
+    done = json.loads(path.read_text()) if path.exists() else None
+    if done is not None and done["timesteps"] >= cfg.steps and (out / "best" / "config.json").exists():
+        return done
+    return None
+
+
+def _envs(cfg: ReSpSTrainConfig, source, spec: ReSpSState, n_envs: int, seed0: int, tokenizer, chain_calibration):
+    """``n_envs`` :class:`PlanEnv` environments on ``source`` (seeds ``seed0``, ``seed0 + 1``, ...), observing as
+    the inference controller does; with ``match``, each with a chain rule of its own (it has state)."""
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    plans = [(k, d, tt) for tt, d, k in cfg.actions()]
+    observer = spec.observer(tokenizer)
+
+    def observe(ctx, match=None):
+        return observer(ctx, match).numpy()
+
+    def chain_rule():
+        return ChainRule(chain_calibration, cfg.chain_tokens) if cfg.match else None
+
+    return DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
+                                            reward=cfg.reward, seed=seed0 + i, chain=chain_rule())
+                        for i in range(n_envs)])
+
+
+def _ppo(cfg: ReSpSTrainConfig, venv, seed: int):
+    """Stable-Baselines3's PPO with the run's settings (an actor-critic MLP of ``pi`` and ``vf``)."""
+    from stable_baselines3 import PPO
+
+    return PPO("MlpPolicy", venv, learning_rate=cfg.lr, n_steps=cfg.n_steps, batch_size=cfg.batch_size,
+               n_epochs=cfg.n_epochs, clip_range=cfg.clip_range, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
+               ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef,
+               policy_kwargs=dict(net_arch=dict(pi=list(cfg.pi), vf=list(cfg.vf))), seed=seed, device="cpu",
+               verbose=0)
+
+
+class _PPORun:
+    """The PPO part of :func:`train_resps`: a fresh run, or the one whose checkpoint ``OUT/checkpoint`` holds.
+
+    After every rollout's update (:meth:`rollout_done`, from the callback of :func:`_callback`): one row of
+    ``OUT/log.csv``, a validation every ``eval_every`` rollouts (the best actor so far in ``OUT/best``: ties go
+    to the later, more trained one), a checkpoint every ``checkpoint_every`` rollouts and when the time budget
+    runs out (training then stops).
+    """
+
+    def __init__(self, cfg: ReSpSTrainConfig, out: Path, source, validator, hidden: int, n_envs: int, tokenizer,
+                 chain_calibration, progress: bool) -> None:
+        self.cfg, self.validator, self.tokenizer, self.chain_calibration = cfg, validator, tokenizer, chain_calibration
+        self.ckpt, self.best_dir = out / "checkpoint", out / "best"
+        spec = cfg.state_spec(hidden)
+        self.pcfg = cfg.policy_config(hidden)
+        found = runs.find_checkpoint(self.ckpt, SB3_WEIGHTS)
+        self.resumed = found is not None
+        state = runs.checkpoint_state(found) if self.resumed else {
             "timesteps": 0, "rollouts": 0, "seconds": 0.0, "best": None}
         seed0 = cfg.seed * 1000 + int(state["rollouts"])  # a resumed run visits the prompts in a new order
-
-        observer = spec.observer(tokenizer)
-
-        def observe(ctx, match=None):
-            return observer(ctx, match).numpy()
-
-        def chain_rule():  # one per environment: it has state
-            return ChainRule(chain_calibration, cfg.chain_tokens) if cfg.match else None
-
-        venv = DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
-                                                reward=cfg.reward, seed=seed0 + i, chain=chain_rule())
-                            for i in range(n_envs)])
-        model = PPO("MlpPolicy", venv, learning_rate=cfg.lr, n_steps=cfg.n_steps, batch_size=cfg.batch_size,
-                    n_epochs=cfg.n_epochs, clip_range=cfg.clip_range, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
-                    ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef,
-                    policy_kwargs=dict(net_arch=dict(pi=list(cfg.pi), vf=list(cfg.vf))), seed=seed0,
-                    device="cpu", verbose=0)
-        if resumed:
-            state = load_checkpoint(model, found)
-            model.num_timesteps = int(state["timesteps"])
-        best = state["best"]
-        log = CsvLog(out / "log.csv", LOG_FIELDS, keep=int(state["rollouts"]), by="rollouts")  # rows to the checkpoint
-        per_rollout = cfg.n_steps * n_envs
-        bar = None
+        self.venv = _envs(cfg, source, spec, n_envs, seed0, tokenizer, chain_calibration)
+        self.model = _ppo(cfg, self.venv, seed0)
+        if self.resumed:
+            state = load_checkpoint(self.model, found)
+            self.model.num_timesteps = int(state["timesteps"])
+        self.state, self.best = state, state["best"]
+        self.log = CsvLog(out / "log.csv", LOG_FIELDS, keep=int(state["rollouts"]), by="rollouts")  # to the checkpoint
+        self.per_rollout = cfg.n_steps * n_envs
+        self.bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=min(cfg.steps, int(state["timesteps"])), desc="resps ppo",
-                       unit="step", dynamic_ncols=True)
-        seconds0 = float(state["seconds"])
-        t0 = time.perf_counter()
+            self.bar = tqdm(total=cfg.steps, initial=min(cfg.steps, int(state["timesteps"])), desc="resps ppo",
+                            unit="step", dynamic_ncols=True)
+        self.seconds0 = float(state["seconds"])
+        self.t0 = time.perf_counter()
+        self.row: dict | None = None  # the rollout's log row, written once its update is done
+        self.last_val: dict | None = None
+        self.last_val_rollout = -1
+        self.stop = False
 
-        def validate() -> dict:
-            nonlocal best
-            policy = MLPPolicy.from_sb3(model.policy, pcfg)
-            ev = validator(cfg.controller(policy, tokenizer=tokenizer, chain_calibration=chain_calibration))
-            if best is None or ev[validator.metric] >= best[validator.metric]:  # ties: the later, more trained one
-                best = {**ev, "timesteps": int(state["timesteps"])}
-                policy.save(best_dir, training={"timesteps": int(state["timesteps"]),
-                                                validator.metric: ev[validator.metric]})
-            return ev
+    def validate(self) -> dict:
+        """The current actor, validated as it will run; kept in ``OUT/best`` when it is the best so far."""
+        metric, timesteps = self.validator.metric, int(self.state["timesteps"])
+        policy = MLPPolicy.from_sb3(self.model.policy, self.pcfg)
+        ev = self.validator(self.cfg.controller(policy, tokenizer=self.tokenizer,
+                                                chain_calibration=self.chain_calibration))
+        if self.best is None or ev[metric] >= self.best[metric]:  # ties: the later, more trained one
+            self.best = {**ev, "timesteps": timesteps}
+            policy.save(self.best_dir, training={"timesteps": timesteps, metric: ev[metric]})
+        return ev
 
-        class Callback(BaseCallback):
-            stop = False
-            row: dict | None = None
-            last_val: dict | None = None
-            last_val_rollout = -1
+    def rollout_collected(self) -> None:
+        """A rollout is collected (its update comes next): its mean training reward."""
+        self.row = {"train_reward": round(float(self.model.rollout_buffer.rewards.mean()), 5)}
+        if self.bar is not None:
+            self.bar.update(self.per_rollout)
 
-            def _flush(self, ev: dict | None) -> None:
-                if self.row is None:
-                    return
-                logs = self.model.logger.name_to_value  # what PPO.train() recorded for this rollout
-                ent, kl = logs.get("train/entropy_loss"), logs.get("train/approx_kl")
-                self.row.update(timesteps=state["timesteps"], rollouts=state["rollouts"],
-                                seconds=round(seconds0 + time.perf_counter() - t0, 2),
-                                entropy="" if ent is None else round(-float(ent), 5),
-                                approx_kl="" if kl is None else round(float(kl), 6))
-                if ev is not None:
-                    self.row.update(val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
-                                    val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
-                                    val_unique_actions=ev.get("unique_actions", ""))
-                    if bar is not None:
-                        bar.set_postfix(val=f"{ev[validator.metric]:.3f}", best=f"{best[validator.metric]:.3f}")
-                log.append(self.row)
-                self.row = None
+    def rollout_done(self) -> None:
+        """The previous rollout's update is done: count it, validate, log, checkpoint; stop past the time budget."""
+        if self.row is None:
+            return
+        cfg, state = self.cfg, self.state
+        state["rollouts"] += 1
+        state["timesteps"] = state["rollouts"] * self.per_rollout
+        ev = self.validate() if state["rollouts"] % cfg.eval_every == 0 else None
+        if ev is not None:
+            self.last_val, self.last_val_rollout = ev, state["rollouts"]
+        self._flush(ev)
+        state["seconds"] = self.seconds0 + time.perf_counter() - self.t0
+        state["best"] = self.best
+        over = cfg.time_budget_s is not None and time.perf_counter() - self.t0 >= cfg.time_budget_s
+        if over or state["rollouts"] % cfg.checkpoint_every == 0:
+            save_checkpoint(self.model, self.ckpt, state)
+        if over:
+            self.stop = True
 
-            def _on_rollout_start(self) -> None:  # the previous rollout's update is done
-                if self.row is None:
-                    return
-                state["rollouts"] += 1
-                state["timesteps"] = state["rollouts"] * per_rollout
-                ev = validate() if state["rollouts"] % cfg.eval_every == 0 else None
-                if ev is not None:
-                    self.last_val, self.last_val_rollout = ev, state["rollouts"]
-                self._flush(ev)
-                state["seconds"] = seconds0 + time.perf_counter() - t0
-                state["best"] = best
-                over = cfg.time_budget_s is not None and time.perf_counter() - t0 >= cfg.time_budget_s
-                if over or state["rollouts"] % cfg.checkpoint_every == 0:
-                    save_checkpoint(self.model, ckpt, state)
-                if over:
-                    Callback.stop = True
+    def _flush(self, ev: dict | None) -> None:
+        """The rollout's log row, with what PPO's update recorded (and the validation, if one ran)."""
+        logs = self.model.logger.name_to_value
+        ent, kl = logs.get("train/entropy_loss"), logs.get("train/approx_kl")
+        self.row.update(timesteps=self.state["timesteps"], rollouts=self.state["rollouts"],
+                        seconds=round(self.seconds0 + time.perf_counter() - self.t0, 2),
+                        entropy="" if ent is None else round(-float(ent), 5),
+                        approx_kl="" if kl is None else round(float(kl), 6))
+        if ev is not None:
+            metric = self.validator.metric
+            self.row.update(val_metric=round(ev[metric], 5), val_tau=round(ev["tau"], 4),
+                            val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
+                            val_unique_actions=ev.get("unique_actions", ""))
+            if self.bar is not None:
+                self.bar.set_postfix(val=f"{ev[metric]:.3f}", best=f"{self.best[metric]:.3f}")
+        self.log.append(self.row)
+        self.row = None
 
-            def _on_step(self) -> bool:
-                return not Callback.stop
-
-            def _on_rollout_end(self) -> None:
-                buf = self.model.rollout_buffer
-                self.row = {"train_reward": round(float(buf.rewards.mean()), 5)}
-                if bar is not None:
-                    bar.update(per_rollout)
-
+    def learn(self) -> bool:
+        """Train up to ``cfg.steps``; False when the time budget ran out first (a checkpoint holds the run)."""
         threads = torch.get_num_threads()
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        cb = Callback()
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        callback = _callback(self)
         try:
-            remaining = cfg.steps - int(state["timesteps"])
+            remaining = self.cfg.steps - int(self.state["timesteps"])
             if remaining > 0:
-                model.learn(total_timesteps=remaining, callback=cb, reset_num_timesteps=not resumed)
-            interrupted = Callback.stop
+                self.model.learn(total_timesteps=remaining, callback=callback, reset_num_timesteps=not self.resumed)
+            interrupted = self.stop
             if not interrupted:
-                cb._on_rollout_start()  # count the last rollout, whose update learn() just made
-                ev = cb.last_val if cb.last_val_rollout == state["rollouts"] else validate()
-                state["best"] = best
-                state["seconds"] = seconds0 + time.perf_counter() - t0
-                save_checkpoint(model, ckpt, state)
-                _append_final(log, state, validator, ev)
+                self._finish()
         finally:
             torch.set_num_threads(threads)
-            venv.close()
-            if bar is not None:
-                bar.close()
-        if interrupted:
-            return {"interrupted": True, "timesteps": int(state["timesteps"]), "seconds": state["seconds"],
-                    "best": best, "checkpoint": str(ckpt)}
-        result = {"timesteps": int(state["timesteps"]), "rollouts": int(state["rollouts"]),
-                  "seconds": state["seconds"], "best": best}
-        write_json(result, result_file)
+            self.venv.close()
+            if self.bar is not None:
+                self.bar.close()
+        return not interrupted
 
-    # ---- export the best checkpoint and summarise on validation
-    policy = MLPPolicy.load(best_dir, kind="resps")
+    def _finish(self) -> None:
+        """After the last update: count it, validate (unless that rollout was), checkpoint, log the validation."""
+        self.rollout_done()  # the last rollout, whose update learn() just made
+        ev = self.last_val if self.last_val_rollout == self.state["rollouts"] else self.validate()
+        self.state["best"] = self.best
+        self.state["seconds"] = self.seconds0 + time.perf_counter() - self.t0
+        save_checkpoint(self.model, self.ckpt, self.state)
+        _append_final(self.log, self.state, self.validator, ev)
+
+    def interruption(self) -> dict:
+        """What :func:`train_resps` returns when the time budget ran out."""
+        return {"interrupted": True, "timesteps": int(self.state["timesteps"]), "seconds": self.state["seconds"],
+                "best": self.best, "checkpoint": str(self.ckpt)}
+
+    def result(self) -> dict:
+        """The finished training (``OUT/result.json``)."""
+        return {"timesteps": int(self.state["timesteps"]), "rollouts": int(self.state["rollouts"]),
+                "seconds": self.state["seconds"], "best": self.best}
+
+
+def _callback(run: _PPORun):
+    """The Stable-Baselines3 callback that drives ``run``: a rollout starts once the previous one's update is done."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Callback(BaseCallback):
+        def _on_rollout_start(self) -> None:
+            run.rollout_done()
+
+        def _on_step(self) -> bool:
+            return not run.stop
+
+        def _on_rollout_end(self) -> None:
+            run.rollout_collected()
+
+    return Callback()
+
+
+def _export_and_summarise(cfg: ReSpSTrainConfig, out: Path, result: dict, settings: dict, validator, facts: dict,
+                          tokenizer, chain_calibration, t_start: float) -> TrainingResult:
+    """The best checkpoint exported to ``OUT/policy``; its validation at the cache intervals of the ablation, next to
+    the validator's baselines (``OUT/summary.json``, ``OUT/summary.md``)."""
+    policy = MLPPolicy.load(out / "best", kind="resps")
     best = result["best"]
     export = out / "policy"
     policy.save(export, training={
@@ -541,9 +615,9 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
                "training": result, "resps": intervals, "baselines": validator.baselines(cfg),
                "chosen_interval": cfg.val_interval, "export": str(export),
                "summary_seconds": time.perf_counter() - t_start}
-    result = TrainingResult.written(summary, out, export)
+    written = TrainingResult.written(summary, out, export)
     (out / "summary.md").write_text(format_table(summary) + "\n")
-    return result
+    return written
 
 
 def _append_final(log: CsvLog, state: dict, validator, ev: dict) -> None:
