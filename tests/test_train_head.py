@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -397,6 +398,34 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
     cfg.ttt_steps = 2
     with pytest.raises(ValueError, match="ttt_steps"):
         run()
+
+
+class _Planted:
+    """Unpickling this creates ``path``: proof that a file was unpickled (a real attack would run any code)."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_a_legacy_pickle_checkpoint_is_refused_not_unpickled(tiny_run, tmp_path):
+    """A checkpoint of the old format (weights and a pickled ``trainer.pt``, no optimizer.safetensors) is never
+    loaded: with --resume or without, the run stops with a message naming the folder and what to do."""
+    target, items, prompts, out, _ = tiny_run
+    run2 = tmp_path / "run2"
+    shutil.copytree(out / "corpus", run2 / "corpus")
+    shutil.copytree(out / "features", run2 / "features")
+    shutil.copytree(out / "ckpt", run2 / "ckpt")
+    (run2 / "ckpt" / "optimizer.safetensors").unlink()
+    marker = tmp_path / "unpickled"
+    torch.save({"optimizer": _Planted(marker)}, run2 / "ckpt" / "trainer.pt")
+    for resume in (True, False):
+        cfg = _tiny_cfg(run2, epochs=4, max_steps=16, resume=resume)
+        with pytest.raises(ValueError, match=r"ckpt is a checkpoint of the old format \(trainer.pt, a pickle\)"):
+            train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    assert not marker.exists()
 
 
 def test_warm_start_from_an_exported_head(tiny_run, tmp_path, caplog):

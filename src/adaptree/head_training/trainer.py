@@ -6,7 +6,7 @@ Stages, each resumable, all under ``TrainHeadConfig.out``:
 2. ``features/`` the target's features, final hidden states and greedy tokens (:mod:`.features`).
 3. ``ckpt/``     training with the training-time test (:mod:`.ttt`), AdamW, warm-up + cosine decay,
    gradient clipping, periodic validation, checkpoints (weights, AdamW state and RNG states in safetensors,
-   :func:`adaptree.offline.runs.save_checkpoint`; older checkpoints with a ``trainer.pt`` still resume),
+   :func:`adaptree.offline.runs.save_checkpoint`; older checkpoints with a pickled ``trainer.pt`` are refused),
    ``train_log.jsonl``.
 4. ``head/``     the exported head in the released EAGLE-3 layout (bf16, without embeddings), and
    ``training_summary.json`` (command, data, seed, wall times, validation acceptance, machine).
@@ -253,7 +253,7 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
 
 
 LEGACY_TRAINER_FILE = "trainer.pt"
-"""Optimizer and RNG states of the checkpoints written before the shared format (``torch.save``)."""
+"""Optimizer and RNG states of the checkpoints written before the shared format (a pickle: never loaded)."""
 
 
 def save_checkpoint(folder: Path, head: Eagle3Head, opt, state: dict, dtype: str = "float32") -> None:
@@ -270,19 +270,19 @@ def find_checkpoint(folder: Path) -> Path | None:
     return found
 
 
-def load_checkpoint(folder: Path, head: Eagle3Head, opt) -> dict:
-    """Restore a checkpoint of :func:`save_checkpoint` (or of its ``trainer.pt`` predecessor); returns its state."""
-    if (folder / runs.OPTIMIZER_FILE).is_file():
-        return runs.load_checkpoint(folder, head, opt)
-    from safetensors.torch import load_file
+def refuse_legacy(folder: Path) -> None:
+    """A ValueError when ``folder`` is a checkpoint of the old format: its ``trainer.pt`` is a pickle, and loading
+    one runs whatever code it names."""
+    if not (folder / runs.OPTIMIZER_FILE).is_file() and (folder / LEGACY_TRAINER_FILE).is_file():
+        raise ValueError(f"{folder} is a checkpoint of the old format ({LEGACY_TRAINER_FILE}, a pickle), which "
+                         "adaptree no longer loads; delete it to train again from the start (the corpus and features "
+                         "are reused), or start a new --out")
 
-    head.load_state_dict(load_file(folder / "weights.safetensors"), strict=True)
-    tr = torch.load(folder / LEGACY_TRAINER_FILE, map_location=next(head.parameters()).device, weights_only=False)
-    opt.load_state_dict(tr["optimizer"])
-    torch.set_rng_state(tr["torch_rng"])
-    random.setstate(tr["python_rng"])
-    np.random.set_state(tr["numpy_rng"])
-    return runs.checkpoint_state(folder)
+
+def load_checkpoint(folder: Path, head: Eagle3Head, opt) -> dict:
+    """Restore a checkpoint of :func:`save_checkpoint`; returns its state."""
+    refuse_legacy(folder)
+    return runs.load_checkpoint(folder, head, opt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -473,6 +473,8 @@ class HeadTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt_dir = self.out / "ckpt"
         found = find_checkpoint(ckpt_dir)
+        if found is not None:
+            refuse_legacy(found)
         if found is not None and not cfg.resume:
             raise ValueError(f"a training checkpoint exists in {found}; pass --resume to continue it, or delete "
                              f"it (the corpus and features in {self.out} are reused either way)")
