@@ -4,7 +4,8 @@ After a greedy bench, greedy traces of the bench's prompts (first turns, the ben
 model, head and dtype) are recorded under ``<out>/traces`` (resumable: prompts already there are
 skipped). With the latency model, per dataset:
 
-- the DP oracle's and the best static tree's **modelled** speedup (:func:`adaptree.rl.oracle.compare_methods`),
+- the DP oracle's and the best static tree's **modelled** speedup
+  (:func:`adaptree.offline.oracle.compare_methods`),
 - every engine method replayed in the simulator: its **simulated** speedup and its fraction of the
   oracle's gain, like with like (both modelled);
 - every measured method's **measured** speedup over the same first turns (AR wall time / method wall

@@ -207,7 +207,7 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weights: torc
 
 
 def collate(seqs: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Right-padded training tensors from stored sequences (see :class:`~adaptree.train.features.FeatureStore`).
+    """Right-padded training tensors from stored sequences (:class:`~adaptree.head_training.features.FeatureStore`).
 
     Query positions ``q = 0..L-2``: ``feats = f[q]``, ``input_ids = x[q+1]``, target ``hidden`` and
     ``argmax`` at ``q+1``, and ``weight[q] = 1`` iff ``x[q+2]`` exists and is a response token (the target

@@ -1,13 +1,13 @@
 """``adaptree calibrate``: measure a latency model on this machine and validate it against live cycles.
 
-1. :func:`~adaptree.rl.latency.calibrate` micro-benchmarks one draft step per (W, L) and one tree
+1. :func:`~adaptree.offline.latency.calibrate` micro-benchmarks one draft step per (W, L) and one tree
    verification per (V, L) and fits the two bilinear forms.
-2. Validation: the live :class:`~adaptree.engine.Engine` generates a few short prompts with several
+2. Validation: the live :class:`~adaptree.core.engine.Engine` generates a few short prompts with several
    tree shapes (static (W, D, V) trees, small and large V, and AR). Every cycle's measured draft,
    verify and overhead seconds are compared with the model's prediction for the same (W, depth, V, L).
    The prompts are split in two halves (alternately): the per-cycle overhead ``other_s`` (which
    micro-benchmarks cannot see) and a second candidate model refitted from the live cycles
-   (:meth:`~adaptree.rl.latency.LatencyModel.fit_records`) come from the first half; both candidates
+   (:meth:`~adaptree.offline.latency.LatencyModel.fit_records`) come from the first half; both candidates
    are scored on the held-out half by the median absolute relative error of the predicted cycle time
    (issue goal: <= 10%). ``refit="auto"`` keeps the better one.
 
@@ -118,7 +118,7 @@ class CalibrationConfig:
 def live_cycles(engine, prompts: Sequence[Sequence[int]], shapes: Sequence[tuple[int, int, int]],
                 max_new_tokens: int, warmup: bool = True, progress: bool = False) -> list[dict]:
     """Generate every prompt with every shape (greedy) on the live engine; every cycle as a dict
-    (:class:`~adaptree.records.CycleRecord` fields plus ``shape`` and ``prompt`` index)."""
+    (:class:`~adaptree.core.records.CycleRecord` fields plus ``shape`` and ``prompt`` index)."""
     from tqdm import tqdm
 
     from adaptree.core.controller import (

@@ -1,24 +1,25 @@
-"""gymnasium environments over the one draft-and-verify loop (issue 6; used by LTD and Re-SpS training).
+"""gymnasium environments over the one draft-and-verify loop, used by LTD and Re-SpS training.
 
 The method-agnostic part: the sources, the bridge and :class:`CycleEnv`. Each learned method subclasses
 :class:`CycleEnv` for its own decision point, in its own folder:
 
-* :class:`~adaptree.methods.ltd.env.DepthEnv` — after every draft forward, STOP (0) or CONTINUE (1) (LTD's π_D). One episode = one
-  cycle; the reward arrives with the last decision, once the cycle is verified.
-* :class:`~adaptree.methods.ltd.env.SizeEnv` — once drafting stopped, the verification size V from a discrete set (LTD's π_V). One
-  episode = one cycle, one step.
-* :class:`~adaptree.methods.resps.env.PlanEnv` — at the start of a cycle, a whole tree configuration (W, depth, V) that is then kept
-  for ``interval`` cycles (Re-SpS's action caching). One episode = one generation; the reward of a step
-  is the mean per-cycle throughput over its interval.
+* :class:`~adaptree.methods.ltd.env.DepthEnv` — after every draft forward, STOP (0) or CONTINUE (1) (LTD's
+  π_D). One episode = one cycle; the reward arrives with the last decision, once the cycle is verified.
+* :class:`~adaptree.methods.ltd.env.SizeEnv` — once drafting stopped, the verification size V from a discrete
+  set (LTD's π_V). One episode = one cycle, one step.
+* :class:`~adaptree.methods.resps.env.PlanEnv` — at the start of a cycle, a whole tree configuration (W, depth,
+  V) that is then kept for ``interval`` cycles (Re-SpS's action caching). One episode = one generation; the
+  reward of a step is the mean per-cycle throughput over its interval.
 
 No environment has a loop of its own. A *source* runs the real loop — :class:`SimSource` replays greedy
-traces through :func:`~adaptree.rl.simulator.simulate_one` with a calibrated latency model (minutes of
-training), :class:`LiveSource` runs :meth:`~adaptree.engine.Engine.generate` with wall-clock timings —
-in a worker thread, with a bridge controller at the seam: at the agent's decision point the bridge hands
-the observation to the environment and blocks until :meth:`step` brings the action; every other decision
-is delegated to an *inner* controller (a fixed V, a frozen partner policy, a random depth...). Rewards
-come from each cycle's :class:`~adaptree.records.CycleRecord` (draft and verification seconds: modelled in
-the simulator, measured live; the policy's own time is recorded apart and never enters the reward).
+traces through :func:`~adaptree.offline.simulator.simulate_one` with a calibrated latency model (minutes
+of training), :class:`LiveSource` runs :meth:`~adaptree.core.engine.Engine.generate` with wall-clock
+timings — in a worker thread, with a bridge controller at the seam: at the agent's decision point the
+bridge hands the observation to the environment and blocks until :meth:`CycleEnv.step` brings the action;
+every other decision is delegated to an *inner* controller (a fixed V, a frozen partner policy, a random
+depth...). Rewards come from each cycle's :class:`~adaptree.core.records.CycleRecord` (draft and
+verification seconds: modelled in the simulator, measured live; the policy's own time is recorded apart
+and never enters the reward).
 
 Rewards (``reward``), scaled by ``reward_scale`` (default: the source's AR step time, so a throughput
 reward reads as "speed relative to autoregressive decoding", of order 1):
@@ -57,8 +58,8 @@ class _Closed(Exception):
 class SimSource:
     """Greedy traces replayed by the simulator with a latency model (deterministic, no model runs).
 
-    :param traces: :class:`~adaptree.rl.traces.PromptTrace` objects (one generation each).
-    :param latency: a :class:`~adaptree.rl.latency.LatencyModel` (the rewards' seconds).
+    :param traces: :class:`~adaptree.offline.traces.PromptTrace` objects (one generation each).
+    :param latency: a :class:`~adaptree.offline.latency.LatencyModel` (the rewards' seconds).
     :param max_new_tokens: a smaller token limit than the traces' (None = theirs).
     """
 
@@ -87,9 +88,9 @@ class SimSource:
 class LiveSource:
     """The live engine on real prompts, wall-clock timings (the papers' online mode).
 
-    :param engine: an :class:`~adaptree.engine.Engine` with a draft head.
+    :param engine: an :class:`~adaptree.core.engine.Engine` with a draft head.
     :param prompts: token-id lists (chat template applied).
-    :param sampling: :class:`~adaptree.verify.SamplingConfig` (greedy by default).
+    :param sampling: :class:`~adaptree.core.verify.SamplingConfig` (greedy by default).
     """
 
     def __init__(self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128, sampling=None,
@@ -242,8 +243,8 @@ class CycleEnv(gym.Env):
     """Base class: a source, a decision point, an inner controller, a reward (see the module docstring).
 
     :param seed: seeds the order in which prompts are visited (a permutation per pass) and the inner rule.
-    :param chain: a :class:`~adaptree.methods.common.chain.ChainRule`: every cycle carries the context's chain
-        (issue 19), chosen by the rule, and observations that use match features read them from it.
+    :param chain: a :class:`~adaptree.methods.common.chain.ChainRule`: every cycle carries the context's chain,
+        chosen by the rule, and observations that use match features read them from it.
     """
 
     metadata = {"render_modes": []}

@@ -160,7 +160,7 @@ class LatencyModel:
 
     @classmethod
     def fit_records(cls, records: Iterable, meta: dict | None = None) -> "LatencyModel":
-        """Fit from live :class:`~adaptree.records.CycleRecord` objects (or their dicts): per-step draft
+        """Fit from live :class:`~adaptree.core.records.CycleRecord` objects (or their dicts): per-step draft
         time = draft_s / depth, verification time = verify_s, overhead = median other_s."""
         draft, verify, other = [], [], []
         for r in records:
@@ -307,7 +307,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
               progress: bool = False, knots: bool = True) -> LatencyModel:
     """Micro-benchmark the engine's pieces on ``target``/``head`` and fit a :class:`LatencyModel`.
 
-    Draft: a :class:`~adaptree.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
+    Draft: a :class:`~adaptree.core.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
     the cache after L committed positions. Verify: a target forward over a random tree of V+1 nodes after
     L cached positions. Cache contents are zeros (values do not change the time). Lengths past the
     model's context limit are skipped. Takes minutes on a real model: not for a shared, busy machine.

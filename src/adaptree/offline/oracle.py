@@ -5,14 +5,14 @@ With greedy decoding the state of a generation between cycles is one integer, th
 drafts ``d`` levels of width ``W`` and verifies the top ``V`` candidates costs, in the latency model,
 ``d * draft_step(W, L) + verify(V', L) + other_s`` with ``L = n + j`` and ``V' = min(V, C_d, room - 1)``
 (the engine's clamps), and moves the root to ``j + accepted(j, W, d, V') + 1`` (acceptance from
-:func:`~adaptree.rl.traces.acceptance_table`). An AR step (``d = 0``) costs ``verify(0, L) + other_s`` and
+:func:`~adaptree.offline.traces.acceptance_table`). An AR step (``d = 0``) costs ``verify(0, L) + other_s`` and
 moves one position. The run ends at the first position ``T`` the simulator stops at (EOS, the token
 limit, the context limit; :func:`terminal_position`), so the oracle's time is
 
     best(j) = 0 for j >= T,   best(j) = min over (W, d, V) of cost(j, W, d, V) + best(min(j + acc + 1, T)),
 
 computed backwards over ``j`` with every action of a position evaluated at once (numpy). Every
-controller's replay through :func:`~adaptree.rl.simulator.simulate` is one path through the same
+controller's replay through :func:`~adaptree.offline.simulator.simulate` is one path through the same
 graph, so ``best(0)`` is a lower bound on its modelled time whenever its choices lie in the oracle's
 action set. ``sizes="all"`` makes that set every V: the verification time is non-decreasing in V and
 the accepted length is a step function of V, so only the smallest V reaching each accepted length

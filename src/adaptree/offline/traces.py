@@ -7,13 +7,13 @@ sub-tree follows from the recorded continuation. :func:`record_trace` records, f
 - the greedy output ``y_0 .. y_{M-1}`` (the engine's tokens up to its stop, then ``max_depth + 1``
   look-ahead tokens so that a cycle near the end still knows how much it would have accepted);
 - for every root ``y_j`` the engine could reach (``j < end``) and every beam width W of the settings,
-  the tree grown to ``max_depth`` levels exactly as :class:`~adaptree.tree.DraftTree` stores it:
+  the tree grown to ``max_depth`` levels exactly as :class:`~adaptree.core.tree.DraftTree` stores it:
   candidate tokens and cumulative log-probs level by level (level 1: W, later levels: W*W) and the
   beam (positions within the level of the W nodes expanded next), from which the parents follow;
 - the target's low/mid/high features of the last accepted position (what a controller sees as
   ``CycleContext.features``), float16 by default.
 
-How it is computed: the greedy output (one autoregressive run on the :class:`~adaptree.engine.Engine`
+How it is computed: the greedy output (one autoregressive run on the :class:`~adaptree.core.engine.Engine`
 plus the look-ahead; a :class:`TraceStore` computes 8 prompts' at once with
 :func:`~adaptree.core.batched.batched_decode`), one target forward over the whole sequence for the
 features, one draft-head prefill over the prompt, then the trees of 16 consecutive roots at a time (:func:`grow_trees`: one head forward per
@@ -314,7 +314,7 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
                batch: int = 16) -> WidthTrace:
     """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
 
-    Root ``j`` (context ``ctx = n + j``) is what :class:`~adaptree.tree.DraftTree` grows after consuming the
+    Root ``j`` (context ``ctx = n + j``) is what :class:`~adaptree.core.tree.DraftTree` grows after consuming the
     pending pair ``(f_{ctx-1}, y_j)`` over a cache holding the pairs before it; here the pending pairs of
     ``batch`` roots go through one causal forward (pair ``i`` sees pairs ``< i``: exactly the context root
     ``j0 + i`` has, and the committed pairs the next chunk starts from), and every later level is one

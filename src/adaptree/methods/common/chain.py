@@ -30,8 +30,8 @@ Plain JSON (:meth:`ChainCalibration.save` / :meth:`ChainCalibration.load`), load
 ``max_ngram``, ``select``, ``edges``, ``temperatures``, ``rates`` and ``trials`` (per temperature, bucket and
 token: the counts behind each rate), ``samples`` (per temperature: positions with a match) and ``fingerprints``
 (``model`` and ``head`` digests of the traces; the chain rates depend on the target's outputs only, the head is
-recorded for :meth:`check`). Older files still load: version 2 (no ``select``) as fitted with ``"recent"``,
-version 1 (greedy rates only, no ``temperatures``) also as temperature 0.
+recorded for :meth:`ChainCalibration.check`). Older files still load: version 2 (no ``select``) as fitted with
+``"recent"``, version 1 (greedy rates only, no ``temperatures``) also as temperature 0.
 
 :class:`ChainRule` puts a context chain into any other controller's cycles (the learned methods' ``chain_tokens``;
 :class:`ChainSeam` gives their controllers the hooks), and :data:`MATCH_FEATURES` are what their policies observe of

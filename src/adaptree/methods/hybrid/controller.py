@@ -1,7 +1,7 @@
 """``hybrid``: the head's tree and a context chain in one verification, both sized per cycle by the cost rule.
 
-Training-free. It is :mod:`costaware`'s renewal-reward (Dinkelbach) rule over a larger choice: besides the
-head tree's depth and V, how many tokens of the context's longest earlier match
+Training-free. It is :mod:`~adaptree.methods.costaware`'s renewal-reward (Dinkelbach) rule over a larger
+choice: besides the head tree's depth and V, how many tokens of the context's longest earlier match
 (:class:`~adaptree.core.context.ContextIndex`) to verify as one more path under the same root.
 
 **Values.** A verified node adds its probability of lying on the accepted path to the expected emitted tokens

@@ -22,7 +22,7 @@ the children does not matter. Hence, with ``a(c) = p_parent(c)(token c)``:
     P(accepted length = j) = sum over nodes n at depth j of P(path ends at n)
 
 Greedy (temperature 0): ``a(c) = 1`` iff the token is the target's argmax at the parent, which gives the
-point mass of :func:`~adaptree.verify.verify_greedy`.
+point mass of :func:`~adaptree.core.verify.verify_greedy`.
 
 One target forward per cycle. The trees of the stop points are not sub-trees of the largest one
 (the top-V of fewer levels can keep a shallow node that deeper candidates push out of the top-V of all
@@ -98,7 +98,7 @@ def child_accept_probs(tree: VerifyTree, logits: torch.Tensor, sampling: Samplin
 def acceptance_distribution(tree: VerifyTree, logits: torch.Tensor, sampling: SamplingConfig,
                             max_len: int | None = None) -> torch.Tensor:
     """Exact ``P(accepted draft tokens = j)``, ``j = 0 .. max_len`` (default: the tree's depth), of
-    :func:`~adaptree.verify.verify` on ``tree`` with target ``logits [N, vocab]`` (see module doc)."""
+    :func:`~adaptree.core.verify.verify` on ``tree`` with target ``logits [N, vocab]`` (see module doc)."""
     return distribution_from_accept(tree, child_accept_probs(tree, logits, sampling), max_len)
 
 

@@ -6,14 +6,15 @@ checked offline, LTD's appendix gives only gamma_min = D0/2, gamma_max = 1.5 D0 
 
 * bounds: ``d_min = max(1, ceil(min_factor * D0))``, ``d_max = min(64, floor(max_factor * D0))``
   (4 and 12 for the default depth D0 = 8), so the depth never leaves [0.5 D0, 1.5 D0];
-* after every cycle (:meth:`end_cycle`) with ``depth > 0`` drafted levels and ``accepted`` accepted
-  draft tokens, the per-cycle acceptance rate ``a = accepted / depth`` (in [0, 1]) updates the
-  exponentially smoothed rate ``r <- (1 - eta) * r + eta * a`` (eta = ``rate`` = 0.2);
-* at the start of every cycle (:meth:`begin_cycle`) the depth is
+* after every cycle (:meth:`GammatuneController.end_cycle`) with ``depth > 0`` drafted levels and
+  ``accepted`` accepted draft tokens, the per-cycle acceptance rate ``a = accepted / depth`` (in [0, 1])
+  updates the exponentially smoothed rate ``r <- (1 - eta) * r + eta * a`` (eta = ``rate`` = 0.2);
+* at the start of every cycle (:meth:`GammatuneController.begin_cycle`) the depth is
   ``clamp(round_half_up(d_min + r * (d_max - d_min)), d_min, d_max)``: a linear map of the smoothed
   rate onto the allowed range, r = 1 (every drafted level accepted) giving d_max and r = 0 giving d_min;
-* ``r`` starts, at every generation (:meth:`reset`), at the value that maps to D0 itself,
-  ``(D0 - d_min) / (d_max - d_min)`` (0.5 with the defaults), so the first cycle uses the default depth.
+* ``r`` starts, at every generation (:meth:`GammatuneController.reset`), at the value that maps to D0
+  itself, ``(D0 - d_min) / (d_max - d_min)`` (0.5 with the defaults), so the first cycle uses the default
+  depth.
 
 Within a cycle the tree is EAGLE-3's static one of that depth (W=10, V=60): Gammatune decides once
 per cycle and never stops drafting early.

@@ -1,6 +1,6 @@
 """``static-gs``: the static tree chosen by ``adaptree tune-static`` (a measured grid search).
 
-The choice lives in a ``static_gs.json`` written by the search (see :mod:`adaptree.bench.tune`); a
+The choice lives in a ``static_gs.json`` written by the search (see :mod:`.tune`); a
 model may ship one measured on the project's reference machine (next to its draft head). It is read
 once, checked, and used every cycle like the static EAGLE-3 tree.
 """
