@@ -43,8 +43,8 @@ def attention_dtype(target, measure: bool = True) -> torch.dtype:
     float32 for a float32 model; otherwise the faster of the model's dtype and float32 for one decode query and
     a 16-node tree over 256 cached keys (the sum of both), measured once per machine, dtype and attention shape
     and cached in ``$ADAPTREE_CACHE/machines``. Without measuring (``measure=False`` and nothing cached): float32
-    on a CPU (bfloat16 attention was 3-10x slower for one query on both AVX-512-bf16 and AVX2 kernels), the
-    model's dtype on a GPU."""
+    on a CPU (bfloat16 attention was several times slower for one query on both AVX-512-bf16 and AVX2 kernels:
+    docs/performance.md), the model's dtype on a GPU."""
     if target.dtype == torch.float32:
         return torch.float32
     cfg = target.config

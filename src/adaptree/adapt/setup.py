@@ -251,7 +251,7 @@ def find_setup(pipeline: PipelineLike, fp: dict | None = None) -> MachineSetup |
 def _complete(setup: MachineSetup, pipeline: PipelineLike) -> None:
     """Fit the calibrations a setup made by an older adaptree lacks (``chain.json`` next to ``acceptance.json``, with
     its rates at :data:`~adaptree.methods.common.chain.SAMPLED_TEMPERATURES`: from the setup's own traces and, for
-    the sampled rates, outputs sampled from their prompts; about 90 s on the default model)."""
+    the sampled rates, outputs sampled from their prompts)."""
     acc = setup.acceptance_path
     if acc is None or not acc.is_file() or _chain_complete(acc.with_name("chain.json")):
         return

@@ -11,9 +11,8 @@ Which occurrence (``select``):
 
 * ``"longest"`` (the default): of the ``scan`` most recent occurrences of a ``max_ngram``-token suffix, the one
   whose match extends furthest backwards (the most recent among equals). A longer shared past predicts a
-  longer shared future: on the default model's greedy outputs of the context sets, the chain this picks
-  accepts 5-11% more tokens per position than the most recent occurrence's on code, HumanEval and long
-  ShareGPT texts, and the same on MT-bench (docs/results/context-select-2026-11-25).
+  longer shared future, so the chain this picks is accepted further than the most recent occurrence's
+  where the answer copies its context (docs/methods.md gives the measurement).
 * ``"recent"``: the most recent occurrence (prompt lookup as vLLM, SGLang and transformers do it, up to which
   occurrence they take; ``ngram``'s default, the baseline).
 

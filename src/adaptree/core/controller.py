@@ -1,4 +1,4 @@
-"""The controller seam: the four decision points of the draft-and-verify cycle (DESIGN.md).
+"""The controller seam: the five decision points of the draft-and-verify cycle (DESIGN.md).
 
 A controller shapes each cycle's draft tree; the engine owns the loop. Every method is optional to
 override: the defaults give a static tree of the plan's depth and size.

@@ -130,7 +130,7 @@ def code_edit() -> list[Prompt]:
 DATASETS = {"mt_bench": mt_bench, "humaneval": humaneval, "sharegpt": sharegpt, "sharegpt_long": sharegpt_long,
             "code_edit": code_edit}
 """Benchmark sets by name: MT-bench and HumanEval (the papers'), ShareGPT first turns, and two where the answer
-copies its context (issue 19): ``sharegpt_long`` (long pasted text) and ``code_edit``. MT-bench's second turns
+copies its context: ``sharegpt_long`` (long pasted text) and ``code_edit``. MT-bench's second turns
 (a revision of the model's own first answer) are the third: the bench reports them apart
 (``mt_bench/turn2``)."""
 

@@ -249,9 +249,9 @@ def grouped_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.
     The ``H / KV`` query heads that share a key head are the rows of one small matmul, so keys and values are
     read once per group and never expanded; the matmuls run over the whole (contiguous) buffers and the slots
     from ``length`` on are masked out, because a strided ``[:length]`` view makes the half-precision batched
-    matmul copy its operand first (5x slower). Scores are softmaxed in float32. On a CPU, torch's fused
-    kernel for half-precision inputs is slow for this shape: 96 rows, 513 keys, SmolLM2's 9/3 heads, 2 threads,
-    AVX-512 took 33 ms per layer with it against 2.6 ms this way (5.9 ms with float32 inputs). Used by
+    matmul copy its operand first (several times slower). Scores are softmaxed in float32. On a CPU, torch's
+    fused kernel for half-precision inputs is an order of magnitude slower for this shape (one query per row,
+    hundreds of keys; docs/head-training.md has the timings). Used by
     :func:`adaptree.core.batched.batched_decode`'s steps (``T == 1``, ``B > 1``, bf16/fp16, CPU)."""
     b, h, _, d = q.shape
     kv, cap = k_buf.shape[1], k_buf.shape[2]
@@ -268,10 +268,9 @@ def set_attention_dtype(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Run rotary, the KV cache and attention of every :class:`Attention` in ``module`` in ``dtype`` (None: the
     projections' dtype), with the projections staying in theirs.
 
-    On a CPU, bfloat16 attention over a KV cache is slow for the few queries of a decode step or a small tree:
-    one query over 256 keys (SmolLM2's shape, 2 threads) took 217 us in bfloat16 against 22 us in float32 with
-    AVX-512 kernels, 149 against 35 us with AVX2 ones; 16 queries 118 against 112 us. Which dtype is faster is
-    measured per machine (:func:`adaptree.adapt.attention_dtype`); a model's caches follow it
+    On a CPU, bfloat16 attention over a KV cache can be several times slower than float32 for the one query of
+    a decode step, and about as fast for a tree of 16 (docs/performance.md has the timings). Which dtype is
+    faster is measured per machine (:func:`adaptree.adapt.attention_dtype`); a model's caches follow it
     (``new_cache``), so a cache must be made after this is set.
     """
     for m in module.modules():
@@ -324,9 +323,9 @@ def _allow_recompiles() -> None:
 
 
 def call_layer(layer: DecoderLayer, x, cos, sin, kv_cache, start, mask):
-    """One decoder layer; :meth:`Transformer.compile` compiles this function, so that the 30 layers of a model share
-    one graph (their weights are its inputs): compiling the whole stack as one graph saved 4% more of a decode
-    step and took 7x longer to compile (70 s against 10 s for SmolLM2 on 2 cores)."""
+    """One decoder layer; :meth:`Transformer.compile` compiles this function, so that the layers of a model share
+    one graph (their weights are its inputs): compiling the whole stack as one graph saved little more of a decode
+    step and took several times longer to compile, every process (docs/performance.md)."""
     return layer(x, cos, sin, kv_cache, start, mask)
 
 
@@ -435,10 +434,11 @@ class Transformer(nn.Module):
         decode step and one for every tree, whatever the cache length or tree size; each compiles on its first
         use). Larger forwards and prefills stay eager; ``max_tokens=0`` turns compiling off.
 
-        Where it pays is measured per machine (:func:`adaptree.adapt.compile.compile_tokens`): on a 2-core CPU it
-        cut a SmolLM2 int4 decode step from 18.1 to 15.1 ms (per-op dispatch), and trees by 0-15%. Inductor keeps
-        the kernels it built under ``$ADAPTREE_CACHE/inductor/<torch version>-<CPU kernel level>`` (unless
-        ``$TORCHINDUCTOR_CACHE_DIR`` says otherwise)."""
+        Where it pays is measured per machine (:func:`adaptree.adapt.compile.compile_tokens`): what it removes is
+        per-op dispatch, most of a small model's decode step on a CPU, less of a tree's (docs/performance.md has
+        the timings). Inductor keeps the kernels it built under
+        ``$ADAPTREE_CACHE/inductor/<torch version>-<CPU kernel level>`` (unless ``$TORCHINDUCTOR_CACHE_DIR`` says
+        otherwise)."""
         if int(max_tokens) < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.compile_tokens = int(max_tokens)

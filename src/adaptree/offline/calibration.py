@@ -9,7 +9,7 @@
    micro-benchmarks cannot see) and a second candidate model refitted from the live cycles
    (:meth:`~adaptree.offline.latency.LatencyModel.fit_records`) come from the first half; both candidates
    are scored on the held-out half by the median absolute relative error of the predicted cycle time
-   (issue goal: <= 10%). ``refit="auto"`` keeps the better one.
+   (the goal, ``CalibrationConfig.goal``, is at most 10%). ``refit="auto"`` keeps the better one.
 
 The cycle time compared is ``draft_s + verify_s + other_s`` (what the simulator charges); the
 controller's own time (``policy_s``) is not part of the model and is left out on both sides. The

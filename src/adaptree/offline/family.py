@@ -1,4 +1,4 @@
-"""What a machine charges, as policy inputs, and families of latency models to train policies over (issue 16).
+"""What a machine charges, as policy inputs, and families of latency models to train policies over.
 
 A learned controller that never sees the hardware can only be right on the machine it was trained on: the
 best depth and V move by 10x between a CPU with native bfloat16 and one without. Two pieces make a policy

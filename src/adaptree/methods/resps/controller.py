@@ -8,9 +8,9 @@ features, and the choice is kept for N cycles (action caching).
 * Mapping onto the engine's :class:`~adaptree.core.controller.TreePlan`: width W = k (top-k per expansion
   and beam size), max_depth = d (draft forwards = tree levels), V = TT (draft nodes verified; the root is
   extra, as EAGLE's ``total_tokens``). EAGLE's code counts ``depth`` as the forwards *after* the first one
-  (depth 7 there = 8 levels); here d is the number of levels, as the issue and LTD count it. Every level
-  of the plan is drafted: the paper's Algorithm 2 also breaks the drafting loop once the drafted node count
-  reaches TT, but the EAGLE tree the paper's code passes (TT, d, k) to does not, and neither do we.
+  (depth 7 there = 8 levels); here d is the number of levels, as LTD and adaptree's other methods count it.
+  Every level of the plan is drafted: the paper's Algorithm 2 also breaks the drafting loop once the drafted
+  node count reaches TT, but the EAGLE tree the paper's code passes (TT, d, k) to does not, and neither do we.
 * State: the target's low/mid/high features of the last accepted position — ``CycleContext.features``,
   ``[3H]``, already computed by the verification forward (no extra model forward, no external encoder).
   ``state="concat"`` keeps the three groups side by side (the paper, ``[3H]``); ``state="mean"`` averages
