@@ -1,4 +1,4 @@
-"""The DP oracle and the best static tree (adaptree.rl.oracle) on tiny random models.
+"""The DP oracle and the best static tree (adaptree.offline.oracle) on tiny random models.
 
 The oracle is checked against an exhaustive search written independently (every schedule enumerated,
 acceptance from ``accepted_length``, times from ``LatencyModel.cycle_time``, the engine's stop rules

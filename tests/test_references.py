@@ -38,6 +38,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import io
 import re
@@ -79,17 +80,20 @@ class Text:
     module: str | None = None  # dotted name of the module it is written in (None: a document)
     classes: tuple[str, ...] = ()  # qualified names of the enclosing classes, innermost first
 
+    def where(self, offset: int) -> str:
+        """``file:line`` of a position in the body."""
+        return f"{shown(self.path)}:{self.line + self.body.count(chr(10), 0, offset)}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
     text: Text
-    kind: str  # a role ("class", "mod", ...), "dotted" or "path"
+    kind: str  # a role ("class", "mod", ...), "dotted", "short" (from a subpackage on) or "path"
     target: str
     offset: int  # in text.body
 
     def where(self) -> str:
-        line = self.text.line + self.text.body.count("\n", 0, self.offset)
-        return f"{shown(self.text.path)}:{line}: {self.kind} {self.target!r}"
+        return f"{self.text.where(self.offset)}: {self.kind} {self.target!r}"
 
 
 # --- reading docstrings, comments and documents -----------------------------------------------------------------
@@ -105,18 +109,17 @@ def module_name(path: Path) -> str:
 
 
 def class_spans(tree: ast.Module) -> list[tuple[int, int, str]]:
-    """(first line, last line, qualified name) of every class in a module, outer classes first."""
+    """(first line, last line, qualified name) of every class in a module, outer classes first (a method's texts
+    belong to its class; a class defined inside a function gets a name no getattr reaches, and its texts resolve
+    in the module)."""
     spans = []
 
     def visit(node: ast.AST, prefix: str) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.ClassDef):
-                name = f"{prefix}{child.name}"
-                spans.append((child.lineno, child.end_lineno, name))
-                visit(child, name + ".")
-            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(child, prefix)  # a class inside a function is not reachable by getattr: its methods' texts
-            else:  # still belong to the enclosing class, if any
+                spans.append((child.lineno, child.end_lineno, prefix + child.name))
+                visit(child, f"{prefix}{child.name}.")
+            else:
                 visit(child, prefix)
 
     visit(tree, "")
@@ -264,11 +267,9 @@ def candidates(target: str, module: str | None, classes: tuple[str, ...]) -> lis
     """The absolute dotted paths ``target`` may stand for, in the order they are tried (see the module docstring)."""
     if target.startswith("."):
         if module is None:
-            return []
-        level = len(target) - len(target.lstrip("."))
-        mod = importlib.import_module(module)
-        package = module if hasattr(mod, "__path__") else module.rpartition(".")[0]
-        return [importlib.util.resolve_name(target, package)] if level else []
+            return []  # a document has no package to be relative to
+        package = module if hasattr(importlib.import_module(module), "__path__") else module.rpartition(".")[0]
+        return [importlib.util.resolve_name(target, package)]
     paths = []
     if module is not None:
         paths += [f"{module}.{cls}.{target}" for cls in classes] + [f"{module}.{target}"]
@@ -318,8 +319,7 @@ def test_every_reference_in_the_code_and_the_docs_resolves():
 
 def test_no_docstring_or_comment_names_an_issue():
     """Code says why; the history (which issue asked for what, what was measured then) is in the docs."""
-    tagged = [f"{shown(text.path)}:{text.line + text.body.count(chr(10), 0, m.start())}: "
-              f"{text.body[max(0, m.start() - 30):m.end() + 30]!r}"
+    tagged = [f"{text.where(m.start())}: {text.body[max(0, m.start() - 30):m.end() + 30]!r}"
               for path in SOURCES for text in source_texts(path) for m in ISSUE.finditer(text.body)]
     assert not tagged, "docstrings and comments that name an issue:\n" + "\n".join(tagged)
 
@@ -392,3 +392,12 @@ def test_the_issue_pattern():
     for clean_text in ["tissue 7", "the server issues a 400", "it issues one request", "a #-comment", "#include",
                        "&#39;"]:
         assert not ISSUE.search(clean_text), clean_text
+
+
+def test_a_planted_issue_tag_is_found(tmp_path):
+    code = tmp_path / "planted.py"
+    code.write_text('"""Fast enough."""\n\nLIMIT = 3\n"""The cap (Issue 16)."""\n\n\ndef f():\n'
+                    '    return 1  # measured in issue 7\n')
+    found = [text.where(m.start()).rpartition(":")[2] for text in source_texts(code, module="adaptree.core.cycle")
+             for m in ISSUE.finditer(text.body)]
+    assert sorted(found) == ["4", "8"]
