@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's benchmark: where answers copy their context (MT-bench second turns, long pasted ShareGPT texts,
+# The context benchmark: where answers copy their context (MT-bench second turns, long pasted ShareGPT texts,
 # edits of HumanEval solutions) next to where they do not (MT-bench first turns, HumanEval): the head-only
 # methods, prompt lookup on the engine (ngram), the hybrid and transformers' prompt lookup (the outside
 # reference), greedy with the oracle (and its chain variant), then T=1. Resumes when rerun.

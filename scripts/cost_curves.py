@@ -1,4 +1,4 @@
-"""Issue 16: the measured profiles' cost curves side by side (docs/results/machines/profiles/*/latency.json):
+"""The measured profiles' cost curves side by side (docs/results/machines/profiles/*/latency.json):
 one AR step, the draft step, verification of V nodes relative to one AR step, the cost features a policy sees,
 and what the setup chose there. Writes cost_curves.md and cost_curves.png next to the profiles.
 

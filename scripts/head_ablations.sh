@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's recipe ablations for the default model's head, each measured on held-out acceptance.
+# The recipe ablations for the default model's head, each measured on held-out acceptance.
 # Every arm trains on the same first $CHUNKS chunks of the committed greedy corpus with one shared feature
 # store (features extracted once), and is resumable: rerun the script after an interruption.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's head for the default model: one run over every committed corpus chunk, features computed in the
+# The shipped head for the default model: one run over every committed corpus chunk, features computed in the
 # training loop (no feature store), so the run can be handed from machine to machine. Rerun the script to
 # continue after an interruption or on a new machine (it adds --resume when a checkpoint is there).
 #
@@ -13,7 +13,7 @@
 # The run finished on 2026-11-24 (docs/head-training.md, "The full run"): its last weights are the shipped head.
 # The run is pinned to its corpus chunks (CHUNKS): a corpus that grew since is refused on resume.
 #
-# Issue 18's second pass (started 2026-11-25): the shipped head, one more epoch at half the learning rate, batches
+# The second pass (started 2026-11-25): the shipped head, one more epoch at half the learning rate, batches
 # in another order, validated before its first step too (the baseline in this machine's execution):
 #   OUT=training/smollm2-135m-head-ep2 INIT=src/adaptree/heads/smollm2-135m LR=1e-3 SEED=1 SELECT=chain_tau DTYPE=float32 \
 #     bash scripts/head_full.sh

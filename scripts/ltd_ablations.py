@@ -1,4 +1,4 @@
-"""LTD's ablations (issue 7, the paper's §6.2-6.3 and A.4) on the default model, in the simulator.
+"""LTD's ablations (the paper's §6.2-6.3 and A.4) on the default model, in the simulator.
 
 Trains the size-policy variants (reward = acceptance length / time cost / throughput; observation
 P+L / P+D / P+D+L) with ``adaptree train ltd --only size`` on the training traces of a main LTD run, then

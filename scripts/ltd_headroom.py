@@ -1,6 +1,6 @@
-"""How much of the oracle's gain can a policy that sees the draft's scores reach? (issue 7's 80% target)
+"""How much of the oracle's gain can a policy that sees the draft's scores reach? (the target: 80%)
 
-The oracle (``adaptree.rl.oracle``) knows every cycle's outcome. A controller only sees the draft: after
+The oracle (``adaptree.offline.oracle``) knows every cycle's outcome. A controller only sees the draft: after
 the first draft forward, the W scores of its children (the first thing LTD's depth policy sees). This
 script fits the simplest controller that uses that signal directly against the objective, with no RL:
 

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Issue 17 measurements: run alone on an idle machine.
+# The execution-mode measurements (docs/performance.md): run alone on an idle machine.
 set -x
 export OMP_NUM_THREADS=2
-# the code before issue 17 runs from a worktree: git worktree add /tmp/base 80f0bc2, with
+# the code before the execution-mode choice runs from a worktree: git worktree add /tmp/base 80f0bc2, with
 # src/adaptree/bench/profile.py copied in as src/adaptree/bench/profile_new.py
 cd "$(dirname "$0")/.." && mkdir -p runs/execution
 COMMON="--limit 3 --turns 1 --max-new-tokens 128 --threads 2 --no-adapt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16: the machine setup made from scratch on three "machines" made from this one (native kernels, AVX2-only
+# The machine setup made from scratch on three "machines" made from this one (native kernels, AVX2-only
 # kernels, one thread), timed; each profile's setup (latency model, execution mode, modelled methods) is copied
 # into docs/results/machines/<profile>/. Run with an empty $ADAPTREE_CACHE/machines and nothing else running.
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Issue 16: the live benchmarks of the measured profiles side by side (``all`` rows of each run's summary.json):
+"""The live benchmarks of the measured profiles side by side (``all`` rows of each run's summary.json):
 speedup over AR (tokens/s ratio over the same runs) with its 95% bootstrap interval, tau, mean depth and V.
 
     python scripts/profile_table.py docs/results/machines/mainjob-native-2t docs/results/machines/bench-avx2-2t ...

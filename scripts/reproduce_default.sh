@@ -41,7 +41,7 @@ if from 3; then
   # collapses to depth 1, V 10); the one shipped is the better of the two on validation (this one, here)
   adaptree train ltd --latency "$LAT" --traces "$R/ltd/traces" --out "$R/ltd-cpu" \
     --sizes 1,2,3,4,5,6,8,10,12,16,24,32
-  # the shipped pair (issue 16): the same set, cost features, trained over six measured profiles (AVX2 held out;
+  # the shipped pair: the same set, cost features, trained over six measured profiles (AVX2 held out;
   # docs/results/machines/profiles, made by scripts/measure_machines.sh), each generation's member perturbed 2x
   P=docs/results/machines/profiles
   adaptree train ltd --latency "$P/avx512-2t-bfloat16-int4/latency.json" \

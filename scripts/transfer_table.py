@@ -1,4 +1,4 @@
-"""Issue 16: how the controllers do on machines they were not tuned on, in the simulator.
+"""How the controllers do on machines they were not tuned on, in the simulator.
 
 For every profile folder under PROFILES (``docs/results/machines/<profile>/latency.json`` and ``static_gs.json``,
 written by ``scripts/measure_machines.sh``), every method is replayed on the same greedy evaluation traces with

@@ -1,6 +1,6 @@
-"""torch.compile of decode steps and small trees (issue 17, item 3): the compiled path computes what the eager
-one does, keeps greedy speculative output equal to autoregressive output, does not recompile in steady state,
-and where it runs is measured per machine and cached."""
+"""torch.compile of decode steps and small trees: the compiled path computes what the eager one does, keeps
+greedy speculative output equal to autoregressive output, does not recompile in steady state, and where it runs
+is measured per machine and cached."""
 
 from __future__ import annotations
 

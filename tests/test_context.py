@@ -156,7 +156,7 @@ def test_is_chain():
 
 
 class Hybrid(Controller):
-    """The static tree plus the context's longest match as a chain (the hybrid tree of issue 19, shape fixed)."""
+    """The static tree plus the context's longest match as a chain (the hybrid tree, its shape fixed)."""
 
     name = "hybrid-test"
 

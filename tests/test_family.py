@@ -1,5 +1,5 @@
-"""Cost features and latency families (issue 16, item 4): what a machine charges as policy inputs, and the
-perturbed measured models learned policies are trained over."""
+"""Cost features and latency families: what a machine charges as policy inputs, and the perturbed measured
+models learned policies are trained over."""
 
 from __future__ import annotations
 

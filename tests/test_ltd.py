@@ -356,7 +356,7 @@ def test_only_the_size_policy_for_the_ablations(traces, tmp_path):
     assert pol.config.actions == [2, 4, 8, 16] and not (tmp_path / "run/policy/depth").exists()
 
 
-# ------------------------------------------------------------------------------------------ context chains (issue 19)
+# ----------------------------------------------------------------------------------------------------- context chains
 
 REPEATS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]]
 
@@ -435,7 +435,7 @@ def test_training_with_match_features(chain_traces, tmp_path):
     assert sum(c.chain for r in chosen.runs for c in r.cycles) > 0
 
 
-# ------------------------------------------------------------------------------------------ machine costs (issue 16)
+# ----------------------------------------------------------------------------------------------------- machine costs
 
 CHEAP_DRAFT = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.0)
 DEAR_DRAFT = LatencyModel(draft=[0.03, 0.0, 0.0, 0.0], verify=[0.03, 0.0002, 0.0, 0.0], other_s=0.0)

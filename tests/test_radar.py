@@ -456,7 +456,7 @@ def test_radar_replays_live_on_traces():
 
 
 def test_radar_with_a_context_chain_is_lossless_and_replays_live():
-    """chain_tokens (issue 19): the context's chain next to RADAR's tree; fp32 greedy = AR, replay = live."""
+    """chain_tokens: the context's chain next to RADAR's tree; fp32 greedy = AR, replay = live."""
     from adaptree.methods.common import ChainCalibration
     from adaptree.offline.latency import LatencyModel
     from adaptree.offline.traces import TraceSettings, record_trace
@@ -575,7 +575,7 @@ def test_radar_trained_on_the_match_is_lossless(tiny_pair, tmp_path):
                                      **{**base, "data": str(tmp_path / "e")}), progress=False)
 
 
-# ------------------------------------------------------------------ machine costs (issue 16)
+# ----------------------------------------------------------------------------- machine costs
 
 
 def test_a_cost_aware_radar_policy_learns_both_machines():

@@ -3,7 +3,8 @@
 What is read: in ``src/adaptree/**/*.py`` every docstring (of a module, class or function, and the attribute
 docstrings under a field) and every comment (consecutive comment lines as one text); ``README.md`` and
 ``docs/*.md`` whole. ``docs/results/**`` are dated records of what was measured then, under the names of then,
-and are not read.
+and are not read. For issue tags only, also the docstrings and comments of ``tests/**/*.py`` and
+``scripts/*.py`` and the comment lines of ``scripts/*.sh`` (this file, which spells the pattern out, is not read).
 
 What is checked in those texts:
 
@@ -56,6 +57,10 @@ SRC = Path(adaptree.__file__).resolve().parent
 ROOT = SRC.parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SOURCES = sorted(p for p in SRC.rglob("*.py") if "__pycache__" not in p.parts)
+OTHER_SOURCES = sorted(p for folder in ("tests", "scripts") for p in (ROOT / folder).rglob("*.py")
+                       if "__pycache__" not in p.parts and p != Path(__file__).resolve())
+"""The Python files outside the package, read for issue tags (their references are not resolved)."""
+SHELL_SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 
 ROLE = re.compile(r":(mod|class|func|meth|attr|data|exc|obj):`([^`]+)`")
 DOTTED = re.compile(r"(?<![\w./-])adaptree(?:\.[A-Za-z_]\w*)+(?:\.[ \t]*\n[ \t]*[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)*")
@@ -132,10 +137,10 @@ def enclosing(spans: list[tuple[int, int, str]], line: int) -> tuple[str, ...]:
 
 def source_texts(path: Path, module: str | None = None) -> Iterator[Text]:
     """The docstrings (every string that is a statement of its own) and comment blocks of one source file, written
-    in ``module`` (by default, the module of ``path`` under ``src``)."""
+    in ``module`` (by default, the module of ``path`` under ``src``; None outside it)."""
     source = path.read_text()
     tree = ast.parse(source)
-    spans, module = class_spans(tree), module or module_name(path)
+    spans, module = class_spans(tree), module or (module_name(path) if path.is_relative_to(SRC) else None)
     for node in ast.walk(tree):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
             yield Text(path, node.lineno, node.value.value, module, enclosing(spans, node.lineno))
@@ -154,6 +159,20 @@ def source_texts(path: Path, module: str | None = None) -> Iterator[Text]:
         previous = line
     if block:
         yield Text(path, start, "\n".join(block), module, enclosing(spans, start))
+
+
+def shell_comments(path: Path) -> Iterator[Text]:
+    """The comment blocks of a shell script: consecutive lines that start with ``#`` (the ``#!`` line left out)."""
+    block: list[str] = []
+    start = 0
+    for number, line in enumerate([*path.read_text().splitlines(), ""], start=1):
+        comment = line.lstrip().startswith("#") and not line.startswith("#!")
+        if comment:
+            start = start if block else number
+            block.append(line.lstrip().lstrip("#").strip())
+        elif block:
+            yield Text(path, start, "\n".join(block))
+            block = []
 
 
 def all_texts() -> Iterator[Text]:
@@ -318,9 +337,13 @@ def test_every_reference_in_the_code_and_the_docs_resolves():
 
 
 def test_no_docstring_or_comment_names_an_issue():
-    """Code says why; the history (which issue asked for what, what was measured then) is in the docs."""
+    """Code says why; the history (which issue asked for what, what was measured then) is in the docs. The same
+    holds in the tests and the scripts."""
+    texts = [*(text for path in [*SOURCES, *OTHER_SOURCES] for text in source_texts(path)),
+             *(text for path in SHELL_SCRIPTS for text in shell_comments(path))]
+    assert {text.path.parent.name for text in texts} >= {"adaptree", "tests", "scripts"}  # all three were read
     tagged = [f"{text.where(m.start())}: {text.body[max(0, m.start() - 30):m.end() + 30]!r}"
-              for path in SOURCES for text in source_texts(path) for m in ISSUE.finditer(text.body)]
+              for text in texts for m in ISSUE.finditer(text.body)]
     assert not tagged, "docstrings and comments that name an issue:\n" + "\n".join(tagged)
 
 
@@ -401,3 +424,14 @@ def test_a_planted_issue_tag_is_found(tmp_path):
     found = [text.where(m.start()).rpartition(":")[2] for text in source_texts(code, module="adaptree.core.cycle")
              for m in ISSUE.finditer(text.body)]
     assert sorted(found) == ["4", "8"]
+
+
+def test_a_planted_issue_tag_in_a_shell_script_is_found(tmp_path):
+    script = tmp_path / "planted.sh"
+    script.write_text("#!/usr/bin/env bash\n# Runs the sweep.\nset -e\n  # measured in issue 17\necho 'issue 3'\n"
+                      "# two lines,\n# see #19\n")
+    texts = list(shell_comments(script))
+    assert [(t.line, t.body) for t in texts] == [(2, "Runs the sweep."), (4, "measured in issue 17"),
+                                                 (6, "two lines,\nsee #19")]
+    found = [text.where(m.start()).rpartition(":")[2] for text in texts for m in ISSUE.finditer(text.body)]
+    assert found == ["4", "7"]

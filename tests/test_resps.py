@@ -676,7 +676,7 @@ def test_real_minilm_encoder_from_its_package():
     assert float(a @ b) > float(a @ c) + 0.2  # paraphrases are closer than unrelated text
 
 
-# ----------------------------------------------------------------------------------------------- context chains (issue 19)
+# ------------------------------------------------------------------------------------------------------- context chains
 
 REPEATS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 5, 5, 5, 5], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5]]
 

@@ -1,4 +1,4 @@
-"""Tie-aware comparison of what two code paths compute with different float rounding (issue 16, item 6).
+"""Tie-aware comparison of what two code paths compute with different float rounding.
 
 The live engine and the replay of its trace compute the same draft trees and controller inputs, but not
 bit for bit: the live engine feeds the head in chunks and verifies trees, the recording feeds it one

@@ -93,9 +93,9 @@ def keep_freed_memory() -> bool:
 
     By default every allocation over 128 KiB-32 MiB is a fresh ``mmap`` that the kernel must fault in page by
     page and an ``munmap`` when freed, and the head-training loop frees and reallocates its large activations
-    (``[rows, draft_vocab]`` logits, ~100 MB) every step: with this, a TTT-7 training step on SmolLM2 went
-    from 510 to 660 tokens/s (2 threads). The process keeps its peak memory. Returns False where the C
-    library is not glibc (nothing changed)."""
+    (``[rows, draft_vocab]`` logits, ~100 MB) every step, so the kernel's page faults become a visible share of
+    a training step (docs/head-training.md, "The data pipeline on 2 cores", has the rates). The process keeps
+    its peak memory. Returns False where the C library is not glibc (nothing changed)."""
     import ctypes
     import ctypes.util
 

@@ -23,8 +23,8 @@ A conversation comes out as a list of ``{"role": "user" | "assistant", "content"
   (``opener`` below is False for them);
 - a conversation with no user turn left is skipped.
 
-Parsing the whole file takes about 1.5 s on a 2-core machine (no on-disk cache of the parsed form:
-reading such a cache back would not be much faster).
+The parsed form is not cached on disk: parsing the whole file is quick, and reading such a cache back would
+not be much faster (docs/architecture.md, "Data", has the time).
 """
 
 from __future__ import annotations

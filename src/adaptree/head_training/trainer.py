@@ -63,8 +63,8 @@ SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["
 
 # Fields that define the training run (its data, batches and schedule): a resumed run must agree with its
 # checkpoint on them. The dtypes are not among them: they say how a machine executes the run (bfloat16 where the
-# CPU has it natively, float32 where bfloat16 is emulated and ~20x slower), so a run handed from machine to
-# machine may change them.
+# CPU has it natively, float32 where bfloat16 is emulated and an order of magnitude slower: docs/head-training.md,
+# "Long runs"), so a run handed from machine to machine may change them.
 _RUN_FIELDS = ("source", "corpus", "corpus_chunks", "num_prompts", "val_prompts", "max_len", "max_new_tokens",
                "gen_temperature", "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio",
                "weight_decay", "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed",
@@ -92,7 +92,8 @@ class TrainHeadConfig:
     corpus) extract each sequence's features once; a store may hold more sequences than a run uses.
     ``"online"``: no store; the target computes each batch's features in the training loop (every epoch
     pays its forward again, nothing goes to disk, and a run resumes on a new machine from its checkpoint
-    and the committed corpus alone). 4.6 KB per token stored (H = 576): 16 GB for 3.5M tokens."""
+    and the committed corpus alone). A store holds four bfloat16 vectors of the target's hidden size per
+    token, too much to commit for a large corpus (docs/head-training.md, "Long runs")."""
     num_prompts: int = 1200
     """Training conversations (ShareGPT ``train`` split, evaluation prompts excluded)."""
     val_prompts: int | None = None
@@ -110,9 +111,9 @@ class TrainHeadConfig:
     draft_vocab: int = 8192
     """Draft vocabulary size (rows of the head's lm_head, length of d2t): the ids most often the target's
     greedy next token on the training responses. A target token outside it can never be drafted, so the
-    held-out share it covers (``draft_vocab_coverage_val`` in the summary) caps acceptance; on SmolLM2-135M
-    with ~20-50k training positions: 4096 -> 0.79-0.84, 8192 -> 0.88-0.89, 16384 -> 0.94 (more training
-    data raises all three). 8192 keeps the lm_head, the head's largest matmul, at ~45% of its parameters."""
+    held-out share it covers (``draft_vocab_coverage_val`` in the summary) caps acceptance, and a larger
+    vocabulary covers more but makes the lm_head, the head's largest matmul, larger still (8192 keeps it at
+    about 45% of the head's parameters; docs/head-training.md, "The recipe ablations", has the coverages)."""
     epochs: int = 2
     """Passes over the training sequences."""
     ttt_steps: int = 7
@@ -124,8 +125,8 @@ class TrainHeadConfig:
     """Loss weight of step k is ``step_decay ** k``."""
     lr: float = 2e-3
     """Peak AdamW learning rate (after warm-up). Budgets here are a few hundred optimizer steps, far fewer
-    than EAGLE's (1e-4 .. 5e-5 over ~100k steps); on SmolLM2-135M, 150 steps at 1e-3 and 3e-3 gave
-    step-0 validation acceptance 0.211 and 0.219 (with grad clipping and warm-up both were stable)."""
+    than EAGLE's (1e-4 .. 5e-5 over ~100k steps), hence a higher rate; with grad clipping and warm-up it
+    trains stably (docs/head-training.md, "The recipe ablations", has the rates tried)."""
     min_lr_ratio: float = 0.05
     """The cosine decays to ``lr * min_lr_ratio``."""
     warmup_ratio: float = 0.05
@@ -142,9 +143,8 @@ class TrainHeadConfig:
     """Autocast dtype of the head's forward in training (``float32`` disables autocast)."""
     init_from_target: bool = False
     """Start the head's ``lm_head`` from the target's rows of the draft vocabulary and ``norm`` from the
-    target's final norm. Off by default: on SmolLM2-135M it starts from a huge loss (the target's logit
-    scale on random directions) and was behind the random init after 150 steps (step-1 acceptance 0.107
-    vs 0.162)."""
+    target's final norm. Off by default: it starts from a huge loss (the target's logit scale on random
+    directions) and stayed behind the random init (docs/head-training.md, "The recipe ablations")."""
     init_head: str | None = None
     """Start from an exported head's weights (a folder in the released EAGLE-3 layout, e.g. the shipped
     ``src/adaptree/heads/smollm2-135m``): a warm start with a fresh optimizer and schedule, such as a further
@@ -161,7 +161,7 @@ class TrainHeadConfig:
     """Checkpoint every this many steps (and at the end)."""
     ckpt_dtype: str = "float32"
     """Dtype of the checkpoints' weights and AdamW moments (``ckpt`` and ``best``). ``bfloat16`` halves them
-    (63 MB for the default model's head with its optimizer): for a long run handed to the next machine by
+    (docs/head-training.md, "Long runs", has the sizes): for a long run handed to the next machine by
     committing its run folder (with ``--features online``), which then goes on from weights and moments
     rounded to bfloat16."""
     log_every: int = 10

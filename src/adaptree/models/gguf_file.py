@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format): reading, the model config from the metadata, dequantization, the
 tokenizer, and :func:`load_gguf`.
 
-- the file is parsed by ``gguf.GGUFReader`` (a subclass that parses the same fields ~7x faster, see
+- the file is parsed by ``gguf.GGUFReader`` (a subclass that parses the same fields faster, see
   :func:`_reader_class`).
 - tensors are dequantized to float32 by ``gguf.quants.dequantize`` and then cast to the requested dtype.
 - llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama*-architecture models
@@ -9,15 +9,15 @@ tokenizer, and :func:`load_gguf`.
   files are written without it.
 - the tokenizer is rebuilt from the already-parsed metadata with transformers' GGUF tokenizer converter
   (``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` builds the same tokenizer but parses the
-  file twice more: ~10 s for SmolLM2 on a 2-core machine); that call is the fallback.
+  file twice more); that call is the fallback.
 - the model config comes from ``{arch}.*`` metadata; no ``output.weight`` means tied embeddings; a
   ``rope_freqs.weight`` tensor (llama.cpp's form of Llama-3 rope scaling) is turned back into a
   ``rope_scaling`` dict.
 
 A truncated or corrupt file, an unsupported architecture or rope scheme, and tensors that do not fit
-the config raise a ``ValueError`` naming the file. Loading the default SmolLM2-135M Q4_1 file takes
-~2-3 s in a warm process on a busy 2-core CPU (the naive route, stock reader + AutoTokenizer + random
-init, took ~17 s); :mod:`adaptree.models.cache` keeps the dequantized form so this happens once.
+the config raise a ``ValueError`` naming the file. :mod:`adaptree.models.cache` keeps the dequantized form,
+so a file is read this way once per model and dtype; docs/performance.md ("Loading a model") has the times of
+each step against the stock route.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def _reader_class():
 
     The stock reader slices its ``np.memmap`` once or twice per metadata value, and every memmap slice
     runs Python-level ``__array_finalize__``; with a recursive call per string, parsing the ~100k-entry
-    vocabulary and merge lists took 5 s for SmolLM2 and 13 s for Qwen2.5 on a 2-core machine. Slicing a
-    plain-ndarray view of the same mapping, and walking string arrays in one loop, builds identical
-    fields (checked against the stock reader in the tests) in 0.7 s and 1.5 s.
+    vocabulary and merge lists takes seconds. Slicing a plain-ndarray view of the same mapping, and walking
+    string arrays in one loop, builds identical fields (checked against the stock reader in the tests) several
+    times faster (docs/performance.md, "Loading a model").
     """
     import gguf
 
@@ -308,11 +308,9 @@ def gguf_config(reader, path: str | Path = "<gguf>") -> ModelConfig:
         raise ValueError(f"{path}: {e}") from e
 
 
-# gguf.quants.dequantize for every type. Measured on the default model (SmolLM2-135M Q4_1 file: 210 Q4_1,
-# 1 Q8_0 and 61 F32 tensors; gguf 0.19, numpy 2.4, shared 2-core CPU), all tensors: 0.58-0.61 s vs 0.37-0.48 s
-# for the hand-written whole-tensor numpy code it replaced (medians 1.25 s vs 0.76 s on a busier machine),
-# with bit-identical results. The ~0.2-0.5 s is paid once per model and dtype, when the float cache is
-# written (a first use takes ~4 s in all), so the hand-written code was not worth keeping.
+# gguf.quants.dequantize for every type: bit-identical to the hand-written numpy code it replaced and a little
+# slower, but only once per model and dtype, when the float cache is written, so the hand-written code was not
+# worth keeping (docs/performance.md, "Loading a model", has the times).
 def dequantize_gguf_tensor(t) -> torch.Tensor:
     """A GGUF reader tensor as a float32 torch tensor in PyTorch (row-major ``[out, in]``) shape."""
     from gguf import GGMLQuantizationType
@@ -379,8 +377,8 @@ def _gguf_tokenizer_metadata(reader) -> dict[str, Any]:
 def _gguf_tokenizer_fast(reader, arch: str):
     """Rebuild the tokenizer from metadata this process already parsed, with transformers' own GGUF
     tokenizer converter. ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` builds the same
-    tokenizer but parses the file twice more (~10 s on a 2-core machine for SmolLM2). Returns None when
-    this transformers version lacks the converter."""
+    tokenizer but parses the file twice more, which takes seconds. Returns None when this transformers
+    version lacks the converter."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (

@@ -130,9 +130,9 @@ def _noop_reset(self) -> None:  # replaces nn.Linear/nn.Embedding.reset_paramete
 
 @contextmanager
 def _skip_param_init() -> Iterator[None]:
-    """Build modules with uninitialized (torch.empty) weights: random init of a 135M model costs ~2 s
-    on a small CPU and is overwritten by the checkpoint anyway. Strict loading guarantees that every
-    parameter is then written."""
+    """Build modules with uninitialized (torch.empty) weights: a random init is a large share of building a
+    model on a small CPU (docs/performance.md, "Loading a model") and is overwritten by the checkpoint anyway.
+    Strict loading guarantees that every parameter is then written."""
     saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
     nn.Linear.reset_parameters = _noop_reset  # type: ignore[method-assign]
     nn.Embedding.reset_parameters = _noop_reset  # type: ignore[method-assign]

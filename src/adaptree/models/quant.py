@@ -1,11 +1,11 @@
 """Weight-only 4-bit execution of a GGUF model's own quantized blocks (``weights="int4"``).
 
 A GGUF model *is* a block-quantized checkpoint: SmolLM2's file stores every decoder projection as Q4_1 and
-the (tied) embedding as Q8_0. Dequantising it to bfloat16 doubles the bytes every decode step streams from
-memory (a 135M model: 270 MB in bfloat16 against 98 MB in the file), and on a CPU a decode step is bound
-by that traffic. Here the blocks are run as they are, with PyTorch's CPU int4 weight-only matmul
-(``aten::_weight_int4pack_mm_for_cpu``: 4-bit weights in groups of 32 along the input dimension, one scale
-and one zero per group, ``w = (q - 8) * scale + zero``), which takes them without loss:
+the (tied) embedding as Q8_0. Dequantising it to bfloat16 multiplies the bytes every decode step streams from
+memory (docs/performance.md, "int4: the file's own blocks", has the sizes and the timings), and on a CPU a
+decode step is bound by that traffic. Here the blocks are run as they are, with PyTorch's CPU int4 weight-only
+matmul (``aten::_weight_int4pack_mm_for_cpu``: 4-bit weights in groups of 32 along the input dimension, one
+scale and one zero per group, ``w = (q - 8) * scale + zero``), which takes them without loss:
 
 - Q4_0 (``w = d * (q - 8)``): ``scale = d``, ``zero = 0``;
 - Q4_1 (``w = d * q + m``): ``scale = d``, ``zero = m + 8 d``;
@@ -22,12 +22,12 @@ layers (dequantised as for ``weights="float"``).
 
 What runs, exactly: the scales and zeros are stored in the activation dtype. In float32 the executed
 weight ``(q - 8) * scale + zero`` equals the file's dequantised weight up to float32 rounding of that
-expression (tested: within 4e-7 of the largest weight); in bfloat16 the scale and zero are rounded to bfloat16 (the dense
-bfloat16 model rounds every weight instead), so int4-bfloat16 and float-bfloat16 are two different
-approximations of the file's float32 weights, each measured against it (:func:`weight_error`). The PyTorch
-kernel is fast for bfloat16 activations and slow for float32 (a reference loop: ~10x slower than the dense
-float32 matmul), so ``int4`` is an execution mode for bfloat16 (and float16); float32 with ``int4`` exists
-for exactness tests on tiny models. Greedy losslessness is a property of one execution mode: speculative
+expression (tested against the file's dequantised weights); in bfloat16 the scale and zero are rounded to
+bfloat16 (the dense bfloat16 model rounds every weight instead), so int4-bfloat16 and float-bfloat16 are two
+different approximations of the file's float32 weights, each measured against it (:func:`weight_error`). The
+PyTorch kernel is fast for bfloat16 activations and slow for float32 (a reference loop, slower than the dense
+float32 matmul), so ``int4`` is an execution mode for bfloat16 (and float16); float32 with ``int4`` exists for
+exactness tests on tiny models. Greedy losslessness is a property of one execution mode: speculative
 output equals autoregressive output of the same mode.
 """
 
