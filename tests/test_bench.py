@@ -24,6 +24,7 @@ from adaptree.bench.stats import (
     wilcoxon_paired,
 )
 from adaptree.core.engine import Engine
+from adaptree.core.verify import SamplingConfig
 from adaptree.data.prompts import Prompt
 from adaptree.methods import StaticConfig, StaticController, make_controller
 from adaptree.offline.runs import check_out_dir
@@ -138,7 +139,7 @@ def test_bench_config_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="must include 'ar'"):
         BenchConfig(methods=["static"])
     with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
-        BenchConfig(temperature=-1.0)
+        BenchConfig(sampling=SamplingConfig(temperature=-1.0))
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ValueError, match="not a writable folder"):

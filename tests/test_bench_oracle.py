@@ -14,6 +14,7 @@ from adaptree.bench import oracle_section as osec
 from adaptree.bench.report import write_report
 from adaptree.bench.runner import BenchConfig, bench_loop, finish
 from adaptree.core.engine import Engine
+from adaptree.core.verify import SamplingConfig
 from adaptree.data.prompts import Prompt
 from adaptree.methods import StaticConfig, StaticController, make_controller
 from adaptree.offline.latency import LatencyModel, machine_meta
@@ -99,7 +100,7 @@ def test_bench_oracle_section(tiny_pair, tmp_path, bench, capsys):
 def test_bench_oracle_section_needs_greedy_and_is_absent_without_a_latency_model(tmp_path, bench):
     cfg, rows, *_ = bench
     with pytest.raises(ValueError, match="--oracle-latency needs greedy decoding.*temperature 0.7"):
-        BenchConfig(oracle_latency="lat.json", temperature=0.7)
+        BenchConfig(oracle_latency="lat.json", sampling=SamplingConfig(temperature=0.7))
     plain = BenchConfig(methods=cfg.methods, datasets=[], question_file="x.jsonl", out=str(tmp_path / "b"))
     s = finish(plain, rows, tmp_path / "b", {"model": "tiny"}, None, None)
     assert "oracle" not in s  # no --oracle-latency: no section, even with no file there

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 import pytest
 
 from adaptree.cli.common import ConfigFlags, field_doc, method_flags, method_options
+from adaptree.core.config import positive
 from adaptree.core.controller import TreeShape
 from adaptree.methods import REGISTRY, DeagleConfig, LTDConfig
 
@@ -16,7 +17,7 @@ from adaptree.methods import REGISTRY, DeagleConfig, LTDConfig
 class Example:
     """A config with one field of every kind a flag is generated for."""
 
-    count: int = 3
+    count: int = positive(3)
     """How many (``count`` of :class:`~adaptree.api.Pipeline`, 100% of them)."""
     ratio: float = 0.5
     name: str | None = "x"
@@ -47,7 +48,7 @@ def test_field_docs_come_from_the_class_that_declares_the_field():
 
 
 def test_config_flags_types_defaults_and_choices():
-    flags = ConfigFlags(Example, choices={"mode": ("a", "b")}, positive=("count",))
+    flags = ConfigFlags(Example, choices={"mode": ("a", "b")})  # count's range is the field's (positive)
     args = parse(flags, [])
     assert flags.build(args) == Example()
     args = parse(flags, ["--count", "4", "--ratio", "0.25", "--name", "", "--sizes", "3, 4", "--words", "",

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, say, traces_dir
+from adaptree.core.config import at_least, check_fields, positive
 from adaptree.core.pipeline import PipelineLike
 
 SETUP_VERSION = 4
@@ -68,14 +69,14 @@ def fingerprint(pipeline: PipelineLike) -> dict:
 class AdaptConfig:
     """What :func:`adapt` measures (defaults: about two minutes on a 135M model, 2 cores, at the first use)."""
 
-    prompts: int = 12
+    prompts: int = positive(12)
     """Tuning prompts (ShareGPT validation split + the last HumanEval problems: never a benchmark prompt) whose
     greedy traces the simulator replays."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = positive(128)
     """Tokens per traced prompt."""
-    max_depth: int = 12
+    max_depth: int = positive(12)
     """Levels recorded at every position (LTD's maximum depth; the static grid searches depths 1..this)."""
-    width: int = 10
+    width: int = positive(10)
     """Beam width W of the recorded trees (EAGLE-3's, the learned policies')."""
     widths: tuple[int, ...] = (4, 8, 10, 16)
     """Draft widths the latency calibration times."""
@@ -83,27 +84,22 @@ class AdaptConfig:
     """Verification sizes V the latency calibration times (each a knot of the model)."""
     lengths: tuple[int, ...] = (128, 768)
     """Context lengths the latency calibration fills the caches to."""
-    repeats: int = 3
+    repeats: int = positive(3)
     """Timed repetitions per calibrated shape (median kept)."""
-    validate_tokens: int = 24
+    validate_tokens: int = positive(24)
     """Tokens of the two live generations (AR and a small tree) that measure the per-cycle overhead."""
     methods: tuple[str, ...] = CANDIDATES
     """Methods modelled on the traces (those that cannot run here are listed as skipped)."""
-    confirm_rounds: int = 3
+    confirm_rounds: int = at_least(0, 3)
     """Interleaved rounds of the live check of the default (:func:`confirm_default`): a method becomes the default
     only if it also beats AR live, median over rounds; 0 = no check (the best modelled method is the default)."""
-    confirm_tokens: int = 48
+    confirm_tokens: int = positive(48)
     """Tokens per generation of the live check (two tuning prompts per round)."""
-    confirm_candidates: int = 2
+    confirm_candidates: int = positive(2)
     """Best-modelled methods (each modelled faster than AR) the live check runs against AR."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens", "max_depth", "width", "repeats", "validate_tokens",
-                     "confirm_tokens", "confirm_candidates"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if int(self.confirm_rounds) < 0:
-            raise ValueError(f"confirm_rounds must be >= 0, got {self.confirm_rounds}")
+        check_fields(self)
         from adaptree.methods import method
 
         self.methods = tuple(self.methods)

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from adaptree.bench.hf_arms import hf_twin
+from adaptree.core.config import check_fields, positive
 from adaptree.core.machine import machine_info
 
 if TYPE_CHECKING:
@@ -29,19 +30,17 @@ if TYPE_CHECKING:
 class CompareConfig:
     """``adaptree compare-hf``: how many MT-bench first turns, tokens per run and repeats."""
 
-    prompts: int = 6
+    prompts: int = positive(6)
     """Number of MT-bench first turns."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = positive(128)
     """Tokens per run."""
-    repeats: int = 1
+    repeats: int = positive(1)
     """Runs of every prompt."""
     out: str = "runs/compare-hf"
     """Results folder (results.jsonl, summary.json)."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "max_new_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
 
 
 def run_compare(cfg: CompareConfig, pipeline: PipelineLike) -> dict:

@@ -98,7 +98,7 @@ def summarize(rows: list[dict], cfg) -> dict:
     docstring for every metric."""
     skipped = [r for r in rows if "skipped" in r]
     ok = [r for r in rows if "skipped" not in r]
-    greedy = cfg.temperature == 0.0
+    greedy = cfg.sampling.greedy
     groups: dict[str, list[dict]] = {}
     for r in ok:
         groups.setdefault(r["dataset"], []).append(r)
@@ -148,6 +148,12 @@ def table_rows(summary: dict) -> list[list[str]]:
 HEADER = ["dataset", "method", "speedup", "95% CI", "tok/s", "tau", "depth", "V", "policy%", "≠AR", "p vs ref"]
 
 
+def _temperature(summary: dict):
+    """The sampling temperature of a summary's config (older summaries: a top-level field of it)."""
+    c = summary.get("config", {})
+    return c.get("sampling", c).get("temperature")
+
+
 def print_table(summary: dict) -> None:
     from adaptree.offline.runs import format_table
 
@@ -155,7 +161,7 @@ def print_table(summary: dict) -> None:
     print(format_table(HEADER, table_rows(summary), left=2))
     s = summary.get("settings", {})
     print(f"model {s.get('model')}, dtype {s.get('dtype')}, weights {s.get('weights', 'float')}, attention {s.get('attention', s.get('dtype'))}, threads {s.get('threads')}, "
-          f"{'greedy' if summary['greedy'] else 'T=' + str(summary['config']['temperature'])}; "
+          f"{'greedy' if summary['greedy'] else 'T=' + str(_temperature(summary))}; "
           f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
@@ -199,7 +205,7 @@ def write_report(summary: dict, out: Path) -> None:
     lines += [f"- model: {s.get('model')} (sha256 {str(s.get('model_sha256'))[:16]}…), draft head: {s.get('draft')} "
               f"(sha256 {str(s.get('draft_sha256'))[:16]}…)",
               f"- dtype {s.get('dtype')}, weights {s.get('weights', 'float')}, attention {s.get('attention', s.get('dtype'))}, threads {s.get('threads')}, max new tokens {c.get('max_new_tokens')} per turn, "
-              f"temperature {c.get('temperature')}, repeats {c.get('repeats')}, prompts per dataset {c.get('limit')}, "
+              f"temperature {_temperature(summary)}, repeats {c.get('repeats')}, prompts per dataset {c.get('limit')}, "
               f"turns {c.get('turns') or 'all'}",
               f"- machine: {m.get('cpu')} ({m.get('cores')} cores), {m.get('platform')}; python {m.get('python')}, "
               f"torch {m.get('torch')}, transformers {m.get('transformers')}" + (f", GPU {m['gpu']}" if m.get("gpu") else ""),

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from adaptree.bench import isolation
 from adaptree.bench.hf_arms import HF_METHODS, hf_recipe
 from adaptree.bench.isolation import ArmFailed, ArmRecipe, WorkerArm
 from adaptree.bench.llama_cpp_arm import LLAMA_CPP_METHODS, llama_cpp_recipe
+from adaptree.core.config import FLAG_HELP, check_fields, positive
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.offline.runs import check_out_dir
@@ -74,21 +75,17 @@ class BenchConfig:
     solutions)."""
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
-    limit: int = 3
+    limit: int = positive(3)
     """Prompts per dataset (the first ``limit`` of each)."""
-    turns: int | None = None
+    turns: int | None = positive(None)
     """Turns per conversation (MT-bench has two); None = all of them, 1 = first turns only."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = positive(128)
     """Per turn."""
-    temperature: float = 0.0
-    """0 = greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
-    top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
-    seed: int = 0
-    """Sampling seed of repeat r is ``seed + r`` (every arm gets the same seed)."""
-    repeats: int = 1
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(seed=0), metadata={
+        FLAG_HELP: {"seed": "Sampling seed of repeat r is seed + r (every arm gets the same seed)."}})
+    """How tokens are chosen (greedy by default); repeat r samples with seed ``sampling.seed + r``, every arm alike
+    (None counts as 0)."""
+    repeats: int = positive(1)
     """Runs of every prompt and arm."""
     reference: str | None = "static"
     """Method every other one is tested against (paired Wilcoxon, speed ratio); None or absent = skip."""
@@ -122,20 +119,29 @@ class BenchConfig:
                 raise ValueError(f"unknown dataset {d!r}; available: {', '.join(DATASETS)} (or --question-file PATH)")
         if not self.datasets and not self.question_file:
             raise ValueError("no datasets given and no --question-file")
-        for name in ("limit", "max_new_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.turns is not None and self.turns < 1:
-            raise ValueError(f"turns must be >= 1, got {self.turns}")
-        SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates them
+        check_fields(self)
+        if isinstance(self.sampling, Mapping):  # as bench_config.json saves it
+            self.sampling = SamplingConfig(**self.sampling)
+        if self.sampling.seed is None:  # every arm, and a resumed run, samples with the same seeds
+            self.sampling = replace(self.sampling, seed=0)
         if self.reference is not None and self.reference not in self.methods:
             self.reference = None
-        if self.oracle_latency and self.temperature != 0.0:
+        if self.oracle_latency and not self.sampling.greedy:
             raise ValueError(f"--oracle-latency needs greedy decoding (the traces are greedy), got temperature "
-                             f"{self.temperature}")
+                             f"{self.sampling.temperature}")
 
-    def sampling(self, repeat: int) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_p, self.top_k, seed=self.seed + repeat)
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BenchConfig:
+        """The config ``bench_config.json`` saved (older folders: with the sampling fields at the top level)."""
+        d = dict(d)
+        flat = {k: d.pop(k) for k in ("temperature", "top_p", "top_k", "seed") if k in d}
+        if flat:
+            d["sampling"] = {**d.get("sampling", {}), **flat}
+        return cls(**d)
+
+    def repeat_sampling(self, repeat: int) -> SamplingConfig:
+        """The sampling of repeat ``repeat``: seed ``sampling.seed + repeat``."""
+        return replace(self.sampling, seed=self.sampling.seed + repeat)
 
 
 def _digest(ids: list[int]) -> str:
@@ -150,8 +156,9 @@ def _load_prompts(cfg: BenchConfig):
 
 def _run_settings(cfg: BenchConfig, pipeline: PipelineLike) -> dict:
     """What must stay fixed across a resumed run, plus checksums of the weights."""
-    return {**pipeline.settings(), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "top_p": cfg.top_p, "top_k": cfg.top_k, "seed": cfg.seed}
+    s = cfg.sampling
+    return {**pipeline.settings(), "max_new_tokens": cfg.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed}
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -369,7 +376,7 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
             for m, arm in arms.items():
                 if m not in dropped:
                     try:
-                        arm(warm, 8, cfg.sampling(0))
+                        arm(warm, 8, cfg.repeat_sampling(0))
                     except ArmFailed as e:
                         drop(m, f"{e} on the warm-up")
         wanted = []
@@ -399,7 +406,7 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
                                        f"context limit is {max_len}"}
                             else:
                                 try:
-                                    res = arm(ids, cfg.max_new_tokens, cfg.sampling(rep))
+                                    res = arm(ids, cfg.max_new_tokens, cfg.repeat_sampling(rep))
                                 except ArmFailed as e:
                                     raise ArmFailed(f"{e} on {_where(cfg, ds, p.id, turn, rep)}") from None
                                 row = _row(ds, p.id, turn, m, rep, ids, res)
@@ -436,7 +443,7 @@ def rebuild_report(folder: str | Path) -> dict:
     if not (out / CONFIG).is_file() or not (out / RESULTS).is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no {CONFIG} and {RESULTS}: not a bench folder")
     saved = json.loads((out / CONFIG).read_text())
-    cfg = BenchConfig(**{**saved["config"], "out": str(out)})
+    cfg = BenchConfig.from_dict({**saved["config"], "out": str(out)})
     done = read_records(out / RESULTS)
     keep = {(ds, p.id) for ds, ps in _load_prompts(cfg) for p in ps}
     max_turns = cfg.turns or 1_000_000

@@ -12,8 +12,7 @@ from adaptree.cli.common import ConfigFlags, add_model_args, add_output_args
 def _adapt_flags() -> ConfigFlags:
     from adaptree.adapt import AdaptConfig
 
-    return ConfigFlags(AdaptConfig, positive=("prompts", "max_new_tokens", "max_depth", "width", "repeats",
-                                              "validate_tokens", "confirm_tokens", "confirm_candidates"))
+    return ConfigFlags(AdaptConfig)
 
 
 def register(sub) -> None:

@@ -11,19 +11,19 @@ from adaptree.cli.common import ConfigFlags, add_method_args, add_model_args, co
 def _bench_flags() -> ConfigFlags:
     from adaptree.bench.runner import BenchConfig
 
-    return ConfigFlags(BenchConfig, positive=("limit", "turns", "max_new_tokens", "repeats"))
+    return ConfigFlags(BenchConfig)
 
 
 def _compare_flags() -> ConfigFlags:
     from adaptree.bench.hf_compare import CompareConfig
 
-    return ConfigFlags(CompareConfig, positive=("prompts", "max_new_tokens", "repeats"))
+    return ConfigFlags(CompareConfig)
 
 
 def _tune_flags() -> ConfigFlags:
     from adaptree.methods.static.tune import TuneConfig
 
-    return ConfigFlags(TuneConfig, positive=("prompts", "first_round_prompts", "max_new_tokens"))
+    return ConfigFlags(TuneConfig)
 
 
 def register(sub) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaptree.core.config import FLAG_HELP, Bounds, bounds_of, choices_of
+
 # ------------------------------------------------------------------------------------------------ value types
 
 
@@ -44,7 +46,11 @@ def comma_type(convert: Callable[[str], Any] = int, container: type = tuple, all
 
         try:
             out = container(comma_list(text, convert))
-        except (ValueError, argparse.ArgumentTypeError):
+        except argparse.ArgumentTypeError as e:
+            if convert not in _NOUNS:  # a config field's range: its message names the field and the item
+                raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected comma-separated {_NOUNS[convert]}, got {text!r}") from None
+        except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {_NOUNS.get(convert, 'values')}, "
                                              f"got {text!r}") from None
         if not out and not allow_empty:
@@ -146,13 +152,41 @@ def _empty_is_none(convert: Callable[[str], Any]) -> Callable[[str], Any]:
 # ------------------------------------------------------------------------------------------ config flags
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _in_bounds(convert: Callable[[str], Any], bounds: Bounds, name: str) -> Callable[[str], Any]:
+    """argparse type: ``convert`` then refuse values outside ``bounds`` with the config's own message (naming field
+    ``name``)."""
+    bounds = dataclasses.replace(bounds, integer=False)  # argparse's int() made it one
+
+    def parse(text: str):
+        value = convert(text)
+        why = bounds.error(value)
+        if why is not None:
+            raise argparse.ArgumentTypeError(f"{name} {why}")
+        return value
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def _nested_config(tp: Any) -> type | None:
+    inner = _unwrap_optional(tp)
+    return inner if isinstance(inner, type) and dataclasses.is_dataclass(inner) else None
+
+
 @dataclass(frozen=True)
 class ConfigFlags:
     """The flags of a config dataclass, one per field (types, defaults and help texts from the dataclass).
 
     Types: ``int``, ``float``, ``str``, ``bool`` (default off: ``--flag``; default on: ``--flag/--no-flag``),
-    ``X | None`` (an empty string gives None for a text field), and tuples or lists of ``int``/``float``/``str``
-    (comma lists).
+    ``X | None`` (an empty string gives None for a text field), tuples or lists of ``int``/``float``/``str``
+    (comma lists), and configs (dataclasses): their fields become flags of their own, named as if they were the
+    outer config's, and :meth:`values` builds the inner config from them. A field's range and choices
+    (:mod:`adaptree.core.config` metadata) make the flag refuse what the config refuses.
     """
 
     config: type
@@ -166,9 +200,7 @@ class ConfigFlags:
     short: Mapping[str, str] = field(default_factory=dict)
     """Field -> short option (``-W``)."""
     choices: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    """Fields with a closed set of values (argparse refuses others)."""
-    positive: tuple[str, ...] = ()
-    """Integer fields that must be >= 1 (argparse refuses others)."""
+    """Fields whose flag takes fewer values than the config does (argparse refuses others)."""
     types: Mapping[str, Callable[[str], Any]] = field(default_factory=dict)
     """Field -> argparse type, where the field's own type does not say how to read it."""
     defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -177,7 +209,11 @@ class ConfigFlags:
     """Field -> help text where the flag reads differently from the field (a renamed or retyped flag)."""
     unset: bool = False
     """Every flag defaults to None and :meth:`values` leaves out the flags not given (the config's defaults
-    apply): for flags that several configs share."""
+    apply): for flags that several configs share. Their ranges are left to the config a value ends up in (a method's
+    flags: the controller built for a method refuses it, one line naming the field, exit status 2)."""
+    base: Any = None
+    """An instance of :attr:`config` whose values are the defaults (a nested config's: the outer field's default);
+    None: the fields' own defaults."""
 
     def fields(self) -> list[dataclasses.Field]:
         all_fields = {f.name: f for f in dataclasses.fields(self.config)}
@@ -191,23 +227,45 @@ class ConfigFlags:
         return self.flag(name).replace("-", "_")
 
     def dests(self) -> dict[str, str]:
-        """Field -> argparse destination."""
-        return {f.name: self.dest(f.name) for f in self.fields()}
+        """Field -> argparse destination (a nested config's fields under their own names)."""
+        out = {}
+        for f in self.fields():
+            inner = self.nested(f)
+            out.update(inner.dests() if inner is not None else {f.name: self.dest(f.name)})
+        return out
+
+    def nested(self, f: dataclasses.Field) -> ConfigFlags | None:
+        """The flags of field ``f``'s config when it is one (a dataclass), else None."""
+        inner = _nested_config(_hints(self.config)[f.name])
+        if inner is None:
+            return None
+        return ConfigFlags(inner, prefix=self.prefix, rename=self.rename, short=self.short, choices=self.choices,
+                           types=self.types, defaults=self.defaults, unset=self.unset, base=self._default(f),
+                           help={**f.metadata.get(FLAG_HELP, {}), **self.help})
+
+    def _default(self, f: dataclasses.Field) -> Any:
+        return getattr(self.base, f.name) if self.base is not None else _default(f)
 
     def add(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-        hints = typing.get_type_hints(self.config)
+        hints = _hints(self.config)
         for f in self.fields():
-            parser.add_argument(*self._names(f.name), **self.argument(f, hints[f.name]))
+            inner = self.nested(f)
+            if inner is not None:
+                inner.add(parser)
+            else:
+                parser.add_argument(*self._names(f.name), **self.argument(f, hints[f.name]))
 
     def _names(self, name: str) -> list[str]:
         return [f"--{self.flag(name)}", *([self.short[name]] if name in self.short else [])]
 
     def argument(self, f: dataclasses.Field, tp: Any) -> dict[str, Any]:
         """The ``add_argument`` keywords of field ``f`` of type ``tp``."""
-        value = self.defaults.get(f.name, _default(f))
-        shown = _default(f) if self.unset else value
+        value = self.defaults.get(f.name, self._default(f))
+        shown = self._default(f) if self.unset else value
         inner = _unwrap_optional(tp)
         optional_text = inner is str and inner is not tp  # '' gives None
+        bounds = None if self.unset else bounds_of(f)
+        choices = self.choices.get(f.name, choices_of(f))
         kw: dict[str, Any] = {"dest": self.dest(f.name), "default": None if self.unset else value}
         if f.name in self.types:
             kw["type"] = self.types[f.name]
@@ -215,14 +273,16 @@ class ConfigFlags:
             kw["action"] = argparse.BooleanOptionalAction if shown else "store_true"
         elif typing.get_origin(inner) in (tuple, list) and typing.get_args(inner)[0] in (int, float, str):
             item = typing.get_args(inner)[0]
-            convert = positive_int if f.name in self.positive else item
+            convert = _in_bounds(item, bounds, f.name) if bounds is not None else item
             kw["type"] = comma_type(convert, typing.get_origin(inner), allow_empty=item is str)
+            choices = None  # a comma list is no single choice
         elif inner in (int, float, str):
-            kw["type"] = positive_int if f.name in self.positive else _empty_is_none(str) if optional_text else inner
+            convert = _empty_is_none(str) if optional_text else inner
+            kw["type"] = _in_bounds(inner, bounds, f.name) if bounds is not None and inner is not str else convert
         else:
             raise TypeError(f"{self.config.__name__}.{f.name}: no flag type for {tp}; give one in types=")
-        if f.name in self.choices:
-            kw["choices"] = list(self.choices[f.name])
+        if choices is not None:
+            kw["choices"] = list(choices)
         elif inner is not bool:  # --deagle-tau-s TAU_S
             kw["metavar"] = self.flag(f.name).removeprefix(f"{self.prefix}-").upper().replace("-", "_")
         text = self.help.get(f.name) or field_doc(self.config, f.name)
@@ -232,8 +292,16 @@ class ConfigFlags:
         return kw
 
     def values(self, args: argparse.Namespace) -> dict[str, Any]:
-        """Field -> the value given on the command line (with :attr:`unset`: only the flags given)."""
-        out = {name: getattr(args, dest) for name, dest in self.dests().items()}
+        """Field -> the value given on the command line (with :attr:`unset`: only the flags given); a nested
+        config's field -> that config, of its flags on top of its default."""
+        out = {}
+        for f in self.fields():
+            inner = self.nested(f)
+            if inner is None:
+                out[f.name] = getattr(args, self.dest(f.name))
+                continue
+            given = inner.values(args)
+            out[f.name] = dataclasses.replace(inner.base, **given) if given or not self.unset else None
         return {k: v for k, v in out.items() if v is not None} if self.unset else out
 
     def build(self, args: argparse.Namespace, **overrides: Any):
@@ -257,17 +325,6 @@ NOT_FLAGS = ("mode",)
 """Config fields the method's name decides."""
 
 
-def _method_choices() -> dict[tuple[str, str], Sequence[str]]:
-    from adaptree.methods.resps.controller import STATES
-    from adaptree.methods.rules.ddd import HEURISTICS
-    from adaptree.methods.rules.svip import SOURCES
-
-    from adaptree.methods.costaware.controller import TIMINGS
-
-    return {("ddd", "heuristic"): HEURISTICS, ("svip", "entropy_source"): SOURCES, ("resps", "state"): STATES,
-            ("costaware", "timing"): TIMINGS}
-
-
 @functools.cache
 def method_flags() -> dict[str, ConfigFlags]:
     """Method name -> the flags of its config's own fields (not the shape's), all unset by default."""
@@ -275,7 +332,6 @@ def method_flags() -> dict[str, ConfigFlags]:
     from adaptree.methods import REGISTRY
 
     shape = {f.name for f in dataclasses.fields(TreeShape)}
-    choices = _method_choices()
     out = {}
     for name, m in REGISTRY.items():
         if m.config is None:
@@ -286,8 +342,7 @@ def method_flags() -> dict[str, ConfigFlags]:
         own = tuple(f.name for f in dataclasses.fields(m.config)
                     if f.name not in shape and f.name not in NOT_FLAGS and f.name not in others)
         out[name] = ConfigFlags(m.config, prefix=prefix, only=own, unset=True,
-                                rename={f: n for (meth, f), n in FLAG_NAMES.items() if meth == name},
-                                choices={f: c for (meth, f), c in choices.items() if meth == prefix})
+                                rename={f: n for (meth, f), n in FLAG_NAMES.items() if meth == name})
     return out
 
 

@@ -9,27 +9,16 @@ from adaptree.cli.common import ConfigFlags, command_line
 
 
 def _flags() -> ConfigFlags:
-    from adaptree.adapt.execution import DTYPES
     from adaptree.head_training import TrainHeadConfig
-    from adaptree.head_training.trainer import SELECT
 
-    return ConfigFlags(TrainHeadConfig, exclude=("command",), rename={"target_dtype": "dtype"},
-                       choices={"source": ("self", "sharegpt"), "train_dtype": ("bfloat16", "float32"),
-                                "ckpt_dtype": ("float32", "bfloat16"), "select": tuple(SELECT),
-                                "target_dtype": sorted(DTYPES)},
-                       positive=("num_prompts", "val_prompts", "max_len", "max_new_tokens", "gen_batch_size",
-                                 "draft_vocab", "epochs", "ttt_steps", "batch_tokens", "max_steps", "threads",
-                                 "corpus_chunks"))
+    return ConfigFlags(TrainHeadConfig, exclude=("command",), rename={"target_dtype": "dtype"})
 
 
 def _corpus_flags() -> ConfigFlags:
-    from adaptree.adapt.execution import DTYPES
     from adaptree.head_training.chunked import CorpusSettings
 
     # unset: a flag not given takes the corpus's own setting (the default's for a new corpus)
-    return ConfigFlags(CorpusSettings, rename={"target_dtype": "dtype"}, choices={"target_dtype": sorted(DTYPES)},
-                       positive=("max_len", "max_new_tokens", "chunk_prompts", "val_prompts", "gen_batch_size"),
-                       unset=True)
+    return ConfigFlags(CorpusSettings, rename={"target_dtype": "dtype"}, unset=True)
 
 
 def register(sub) -> None:

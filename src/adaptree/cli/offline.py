@@ -24,18 +24,16 @@ from adaptree.cli.common import (
 
 
 def _trace_flags() -> ConfigFlags:
-    from adaptree.offline.traces import FEATURE_DTYPES, TraceSettings
+    from adaptree.offline.traces import TraceSettings
 
     return ConfigFlags(TraceSettings, only=("widths", "max_depth", "max_new_tokens", "feature_dtype"),
-                       rename={"widths": "width"}, positive=("widths", "max_depth", "max_new_tokens"),
-                       choices={"feature_dtype": FEATURE_DTYPES})
+                       rename={"widths": "width"})
 
 
 def _calibration_flags() -> ConfigFlags:
-    from adaptree.offline.calibration import DEFAULT_VALIDATION, REFIT, CalibrationConfig
+    from adaptree.offline.calibration import DEFAULT_VALIDATION, CalibrationConfig
 
-    return ConfigFlags(CalibrationConfig, rename={"shapes": "validate"}, positive=("repeats", "max_new_tokens"),
-                       choices={"verify_model": ("knots", "bilinear"), "refit": REFIT}, types={"shapes": str},
+    return ConfigFlags(CalibrationConfig, rename={"shapes": "validate"}, types={"shapes": str},
                        defaults={"shapes": ",".join("ar" if d == 0 else f"{w}:{d}:{v}"
                                                     for w, d, v in DEFAULT_VALIDATION)},
                        help={"shapes": "live tree shapes W:D:V (or ar) run to validate the model, comma-separated; "

@@ -14,14 +14,13 @@ def _dataset_flags() -> ConfigFlags:
     from adaptree.methods.radar.dataset import RadarDataSettings
 
     return ConfigFlags(RadarDataSettings, exclude=("max_seq_len", "eos_token_ids", "extra"),
-                       short={"width": "-W", "size": "-V"}, positive=("width", "max_depth", "size", "max_new_tokens"))
+                       short={"width": "-W", "size": "-V"})
 
 
 def _train_flags() -> ConfigFlags:
     from adaptree.methods.radar.train import RadarTrainConfig
 
-    return ConfigFlags(RadarTrainConfig, choices={"baseline": ("mean", "none")}, defaults={"t_policy": None},
-                       positive=("hidden", "batch_size", "steps", "eval_every", "checkpoint_every"),
+    return ConfigFlags(RadarTrainConfig, defaults={"t_policy": None},
                        help={"t_policy": "seconds per policy decision (default: 0, or measured with --measure-policy)"})
 
 

@@ -13,8 +13,6 @@ def _server_flags() -> ConfigFlags:
     from adaptree.serve.config import ServeConfig
 
     return ConfigFlags(ServeConfig, exclude=("method", "method_options"),
-                       positive=("default_max_tokens", "max_body_bytes", "max_json_depth", "max_tree_width",
-                                 "max_tree_depth", "max_tree_size", "max_verified_nodes"),
                        help={"api_key": "a key clients must send as 'Authorization: Bearer KEY' (default: "
                                         "$ADAPTREE_API_KEY; none needed when unset)"})
 
@@ -40,8 +38,6 @@ def cmd_serve(args) -> int:
     from adaptree.serve import serve
 
     config = _server_flags().build(args)  # bad values fail before the model loads
-    if config.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {config.max_queue}")
     if config.api_key is None:
         config.api_key = os.environ.get("ADAPTREE_API_KEY") or None
     pipe = common.load_pipeline(args)

@@ -18,28 +18,20 @@ LTD_PPO_INTERNALS = ("batch_size", "n_epochs", "ent_coef", "lr", "gamma_depth", 
 def _prompt_flags(**defaults) -> ConfigFlags:
     from adaptree.offline.recording import TrainingPrompts
 
-    return ConfigFlags(TrainingPrompts, positive=("max_new_tokens",), defaults=defaults)
+    return ConfigFlags(TrainingPrompts, defaults=defaults)
 
 
 def _ltd_flags() -> ConfigFlags:
     from adaptree.methods.ltd.train import LTDTrainConfig
-    from adaptree.offline.envs import REWARDS
 
     return ConfigFlags(LTDTrainConfig, exclude=("use_depth", "use_length", "threads", *LTD_PPO_INTERNALS),
-                       short={"width": "-W"}, choices={"only": ("size", "depth"), "reward": REWARDS[:3]},
-                       positive=("width", "max_depth", "fixed_size", "fixed_depth", "size_steps", "depth_steps",
-                                 "iter_steps", "n_envs", "rollout", "eval_every"))
+                       short={"width": "-W"})
 
 
 def _resps_flags() -> ConfigFlags:
-    from adaptree.methods.resps.controller import NORMALIZE, STATES
     from adaptree.methods.resps.train import ReSpSTrainConfig
-    from adaptree.offline.envs import REWARDS
 
-    return ConfigFlags(ReSpSTrainConfig, exclude=("time_budget_s", "threads"), rename={"n_epochs": "epochs"},
-                       choices={"state": STATES, "normalize": NORMALIZE, "reward": REWARDS},
-                       positive=("interval", "val_interval", "steps", "n_envs", "n_steps", "batch_size", "n_epochs",
-                                 "eval_every", "checkpoint_every"))
+    return ConfigFlags(ReSpSTrainConfig, exclude=("time_budget_s", "threads"), rename={"n_epochs": "epochs"})
 
 
 RESPS_PROMPTS = {"train_code": 0, "train_chat": 64}

@@ -12,4 +12,5 @@
 - :mod:`.machine`: the machine profile recorded with every result
 - :mod:`.pipeline`: what the layers above need of a loaded pipeline (``PipelineLike``)
 - :mod:`.files`: cache files several processes may write at once (a file lock, unique temporary names)
+- :mod:`.config`: ranges and choices of config fields as field metadata (checked by the config, read by the CLI)
 """

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from adaptree.core.config import check_fields
 from adaptree.core.context import ContextIndex
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
@@ -158,6 +159,7 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.unset_depth if self.depth is None else self.depth, self.size, self.depth_name)
+        check_fields(self)  # every field's own range and choices (adaptree.core.config), the subclass's too
 
     def plan(self, depth: int | None = None) -> TreePlan:
         """The :class:`TreePlan` of this shape, with ``depth`` instead of the config's when given (a policy's, or

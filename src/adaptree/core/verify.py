@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaptree.core.config import at_least, between, check_fields
 from adaptree.core.tree import VerifyTree
 
 MIN_TEMPERATURE = 1e-5
@@ -27,27 +28,22 @@ sampling there is greedy anyway up to exact ties (ask for temperature 0)."""
 class SamplingConfig:
     """How the target's next-token distribution is turned into tokens."""
 
-    temperature: float = 0.0
+    temperature: float = at_least(0.0, 0.0)
     """0 means greedy (argmax); >= 1e-5 samples from softmax(logits / temperature)."""
-    top_p: float = 1.0
+    top_p: float = between(0.0, 1.0, 1.0, lo_open=True)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
-    top_k: int = 0
+    top_k: int = at_least(0, 0)
     """Keep only the k most likely tokens (0 = off)."""
     seed: int | None = None
     """Seed of the sampling generator; the same seed gives the same output."""
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # NaN fails too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_fields(self)  # NaN fails too
         if self.temperature == float("inf"):
             raise ValueError(f"temperature must be finite, got {self.temperature}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
                              f"{self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptree.core.config import at_least, check_fields, choice, positive
 from adaptree.head_training.corpus import (
     ConversationItem,
     TokenSequence,
@@ -52,6 +53,10 @@ from adaptree.head_training.corpus import (
 )
 
 FORMAT_VERSION = 1
+SOURCES = ("self", "sharegpt")
+"""Where a corpus's answers come from: the target's own (self-distillation) or ShareGPT's."""
+TARGET_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes a target may generate a corpus (or train a head) in."""
 STREAM_GROUP = 4
 """Chunks whose prompts are sorted by length together when a corpus grows (see :meth:`ChunkedCorpus.grow`)."""
 
@@ -62,39 +67,30 @@ class CorpusSettings:
 
     model: str = "default"
     """The target: a registered short name, or ``default`` (SmolLM2-135M-Instruct)."""
-    source: str = "self"
+    source: str = choice(SOURCES, "self")
     """``self``: the target's own answers to the first user turns; ``sharegpt``: the ShareGPT conversations as
     they are, all turns, rendered with the target's chat template (loss on every assistant turn; the soft
     labels still come from the target in training), no generation."""
-    target_dtype: str = "bfloat16"
+    target_dtype: str = choice(TARGET_DTYPES, "bfloat16")
     """The target's dtype while generating."""
-    temperature: float = 0.0
+    temperature: float = at_least(0.0, 0.0)
     """0 = greedy answers; else sampled at this temperature (seeded per chunk from ``seed``)."""
-    max_len: int = 1024
+    max_len: int = at_least(8, 1024, integer=True)
     """Longest sequence (prompt + answer); prompts over half of it get no answer."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = positive(256, integer=True)
     """Longest answer."""
-    chunk_prompts: int = 512
+    chunk_prompts: int = positive(512, integer=True)
     """Prompts per training chunk: the unit that is committed (about 100k answer tokens with SmolLM2). A chunk's
     last rows decode in a thinning batch, so larger chunks waste less."""
-    val_prompts: int = 64
+    val_prompts: int = positive(64, integer=True)
     """Prompts of the held-out chunk (ShareGPT ``validation`` split)."""
     seed: int = 0
     """The ShareGPT shuffle (which prompts, in which order) and the sampling seeds."""
-    gen_batch_size: int = 96
+    gen_batch_size: int = positive(96, integer=True)
     """Rows decoded together (batch shapes round differently, so it is part of what a chunk is)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_len", "max_new_tokens", "chunk_prompts", "val_prompts", "gen_batch_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.source not in ("self", "sharegpt"):
-            raise ValueError(f"source must be 'self' or 'sharegpt', got {self.source!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if self.max_len < 8:
-            raise ValueError(f"max_len must be >= 8, got {self.max_len}")
+        check_fields(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CorpusSettings":

@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from adaptree.core.config import between, check_fields, choice, positive
 from adaptree.offline.latency import CALIBRATION_SIZES, LatencyModel, calibrate
 
 DEFAULT_VALIDATION = ((10, 0, 0), (10, 8, 60), (10, 4, 16), (4, 3, 4), (16, 6, 120), (8, 12, 240))
@@ -64,21 +65,21 @@ class CalibrationConfig:
     sizes: tuple[int, ...] = CALIBRATION_SIZES
     """Verification sizes V micro-benchmarked (the target forward has V + 1 rows); each is a knot of the
     piecewise-linear verification model."""
-    verify_model: str = "knots"
+    verify_model: str = choice(("knots", "bilinear"), "knots")
     """knots: verification time piecewise linear in V + 1 (a knot per size), linear in L at each; bilinear:
     b0 + b1*N + b2*L + b3*N*L (the live refit candidate is always bilinear)."""
     lengths: tuple[int, ...] = (64, 256, 512, 1024)
     """Context lengths L the caches are filled to (those past the context limit are skipped)."""
-    repeats: int = 5
+    repeats: int = positive(5)
     """Timed repetitions per shape (median kept), after one warm-up."""
     shapes: tuple[tuple[int, int, int], ...] = DEFAULT_VALIDATION
     """(W, D, V) trees run live for validation; empty = no validation (other_s stays 0)."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = positive(48)
     """Tokens per validation generation."""
-    refit: str = "auto"
+    refit: str = choice(REFIT, "auto")
     """Which model to save: ``micro`` (micro-benchmark fit + live overhead), ``live`` (refit from the live
     cycles) or ``auto`` (the lower held-out median error)."""
-    goal: float = 0.10
+    goal: float = between(0.0, 1.0, 0.10, lo_open=True, hi_open=True)
     """Target median absolute relative error of the predicted cycle time (reported, not enforced)."""
     warmup: bool = True
     """One short untimed generation per validation shape first."""
@@ -94,22 +95,13 @@ class CalibrationConfig:
                 raise ValueError(f"{name} needs at least two distinct values to fit the latency model, "
                                  f"got {list(vals)}")
             setattr(self, name, vals)
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_fields(self)
         shapes = tuple(tuple(int(x) for x in s) for s in self.shapes)
         for w, d, v in shapes:
             if not 1 <= w <= MAX_WIDTH or not 0 <= d <= MAX_DEPTH or v < 0 or (d > 0 and v < 1):
                 raise ValueError(f"validation shape W={w} D={d} V={v} is invalid (W in 1..{MAX_WIDTH}, D in "
                                  f"0..{MAX_DEPTH}, V >= 1 unless D = 0 for AR)")
         self.shapes = shapes
-        if self.verify_model not in ("knots", "bilinear"):
-            raise ValueError(f"verify_model must be knots or bilinear, got {self.verify_model!r}")
-        if self.refit not in REFIT:
-            raise ValueError(f"refit must be one of {', '.join(REFIT)}, got {self.refit!r}")
-        if not 0 < self.goal < 1:
-            raise ValueError(f"goal must be a fraction in (0, 1), got {self.goal}")
 
 
 # ---------------------------------------------------------------------------------------------- validation

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from adaptree.core.config import check_fields, positive
 from adaptree.data.prompts import Prompt
 from adaptree.offline.traces import (
     PromptTrace,
@@ -75,10 +76,13 @@ class TrainingPrompts:
     """ShareGPT train-split prompts."""
     split_seed: int = 0
     """Seed of the ShareGPT split."""
-    max_new_tokens: int = 192
+    max_new_tokens: int = positive(192)
     """Tokens per training prompt."""
     traces: str | None = None
     """Greedy traces of the training prompts (default OUT/traces; recorded there if missing)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def prompts(self) -> list[Prompt]:
         from adaptree.data.splits import policy_training_prompts

@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from adaptree.core.batched import batched_decode
+from adaptree.core.config import between, check_fields, choice, positive
 from adaptree.core.context import DEFAULT_SELECT, ContextIndex, ContextMatch
+from adaptree.core.controller import MAX_DEPTH, MAX_WIDTH
 from adaptree.offline.store import (
     FingerprintedStore,
     StoreFormat,
@@ -71,34 +73,27 @@ FEATURE_DTYPES = {"float16": np.float16, "float32": np.float32, "none": None}
 class TraceSettings(StoreSettings):
     """What a trace is recorded with; part of its fingerprint."""
 
-    widths: tuple[int, ...] = (10,)
+    widths: tuple[int, ...] = between(1, MAX_WIDTH, (10,))
     """Beam widths W to record a tree for at every position (Re-SpS needs several)."""
-    max_depth: int = 12
+    max_depth: int = between(1, MAX_DEPTH, 12)
     """Levels drafted at every position (LTD's maximum depth)."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = positive(256)
     """The engine's token limit; the trace covers the output up to it (or EOS) plus a look-ahead."""
     eos_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these (kept in the output), as in the engine."""
     max_seq_len: int | None = None
     """The engine's context limit; None = the target's."""
-    feature_dtype: str = "float16"
+    feature_dtype: str = choice(FEATURE_DTYPES, "float16")
     """Stored target features: float16, float32 (exact replay of feature-based controllers) or none."""
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
 
     def __post_init__(self) -> None:
-        from adaptree.core.controller import MAX_DEPTH, MAX_WIDTH
-
         widths = tuple(int(w) for w in self.widths)
-        if not widths or any(not 1 <= w <= MAX_WIDTH for w in widths) or len(set(widths)) != len(widths):
-            raise ValueError(f"widths must be distinct integers in 1..{MAX_WIDTH}, got {self.widths!r}")
+        if not widths or len(set(widths)) != len(widths):
+            raise ValueError(f"widths must be distinct integers, at least one, got {self.widths!r}")
         object.__setattr__(self, "widths", tuple(sorted(widths)))
-        if not 1 <= self.max_depth <= MAX_DEPTH:
-            raise ValueError(f"max_depth must be in 1..{MAX_DEPTH}, got {self.max_depth}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(f"feature_dtype must be one of {', '.join(FEATURE_DTYPES)}, got {self.feature_dtype!r}")
+        check_fields(self)
         object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
         object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
 

@@ -19,7 +19,7 @@ from adaptree.methods.common.chain import (
     match_values,
     shared_ranks,
 )
-from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam, check_chain_tokens
+from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam
 
 __all__ = ["ARGate", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
-           "MATCH_FEATURES", "SAMPLED_TEMPERATURES", "check_chain_tokens", "match_values", "shared_ranks"]
+           "MATCH_FEATURES", "SAMPLED_TEMPERATURES", "match_values", "shared_ranks"]

@@ -15,17 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptree.core.config import at_least, check_fields, positive
 from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.methods.common.ar_gate import ARGate
 from adaptree.methods.common.chain import ChainCalibration, ChainRule, ChainSeam
-
-
-def check_chain_tokens(value) -> None:
-    """A learned method's ``chain_tokens`` setting: None (the default rule of :meth:`ChainRule.of`) or an integer
-    >= 0."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"chain_tokens must be an integer >= 0, got {value!r}")
 
 
 @dataclass(kw_only=True)
@@ -39,20 +33,18 @@ class LearnedRuntime:
     ar_fallback: bool = True
     """Take AR steps while the policies' trees earn fewer tokens per modelled second than AR steps here, with probe
     cycles (adaptree.methods.common.ar_gate; needs a latency model)."""
-    probe_every: int = 8
+    probe_every: int = positive(8, integer=True)
     """In AR mode, AR steps before a probe, counted in units of the cost of the policies' smallest tree (the interval
     doubles while probes fail, up to 8x)."""
     chain: str | None = None
     """Chain calibration JSON of this model (the machine setup's chain.json): for policies that observe the context
     match, and for chain_tokens."""
-    chain_tokens: int | None = None
+    chain_tokens: int | None = at_least(0, None, integer=True)
     """Longest context chain verified per cycle next to the policies' tree (adaptree.methods.common.ChainRule).
     Default: 16 with policies that observe the context match, else none (0)."""
 
     def __post_init__(self) -> None:
-        check_chain_tokens(self.chain_tokens)
-        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
-            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        check_fields(self)  # the method's own fields too (adaptree.core.config)
         after = getattr(super(), "__post_init__", None)
         if after is not None:
             after()
@@ -120,4 +112,4 @@ class LearnedSeam(ChainSeam):
         return (AR_PLAN if self.ar_step(ctx) else self.plan).with_chain(chain)
 
 
-__all__ = ["LearnedRuntime", "LearnedSeam", "check_chain_tokens"]
+__all__ = ["LearnedRuntime", "LearnedSeam"]

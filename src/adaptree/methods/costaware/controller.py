@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from adaptree.core.config import between, check_fields, choice, positive
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, check_shape
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
@@ -81,28 +82,23 @@ class CostAwareConfig:
     """Latency model JSON of this machine (`adaptree calibrate`)."""
     acceptance: str | None = None
     """Acceptance calibration JSON of this model and head (AcceptanceCalibration.fit on greedy traces)."""
-    probe_every: int = 8
+    probe_every: int = positive(8, integer=True)
     """In AR mode, draft one cycle in this many to re-check whether a tree pays."""
     max_probe_every: int = 64
     """Each probe that finds no tree paying doubles that interval, up to this many cycles."""
-    smoothing: float = 0.1
+    smoothing: float = between(0.0, 1.0, 0.1, lo_open=True)
     """Weight of the newest cycle in the moving averages (throughput estimate, predicted tree advantage)."""
-    timing: str = "model"
+    timing: str = choice(TIMINGS, "model")
     """Cycle seconds behind the throughput estimate: model (the latency model's time of the cycle's W, depth and V:
     the units of the modelled costs; deterministic, the same live and in replay) or record (the record's draft_s +
     verify_s + other_s: measured live, modelled in replay)."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, self.max_size, "max_depth")
-        if self.probe_every < 1 or int(self.probe_every) != self.probe_every:
-            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        check_fields(self)
         if int(self.max_probe_every) != self.max_probe_every or self.max_probe_every < self.probe_every:
             raise ValueError(f"max_probe_every must be an integer >= probe_every ({self.probe_every}), got "
                              f"{self.max_probe_every!r}")
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
-        if self.timing not in TIMINGS:
-            raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
 
     def plan(self) -> TreePlan:
         return TreePlan(self.width, self.max_depth, self.max_size)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from adaptree.core.config import choice
 from adaptree.core.controller import Controller, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, match_values
@@ -185,15 +186,10 @@ class LTDConfig(LearnedRuntime, TreeShape):
     """Depth policy folder (``ltd/depth`` next to the head in use when built through the method registry)."""
     size_policy: str | None = None
     """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
-    mode: str = "both"
+    mode: str = choice(MODES, "both")
     """both | depth | size: which policies decide."""
 
     unset_depth: ClassVar[int] = 8
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        super().__post_init__()
 
 
 @dataclass

@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adaptree.core.config import at_least, between, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
 from adaptree.methods.common import ChainCalibration, ChainRule
 from adaptree.methods.ltd.controller import (
@@ -81,39 +82,39 @@ class LTDTrainConfig:
 
     out: str = "runs/ltd"
     """Run folder: per-stage folders, summary.json, policy/ (the export)."""
-    width: int = 10
+    width: int = positive(10)
     """Beam width W of the trees (EAGLE-3's)."""
-    max_depth: int = 12
+    max_depth: int = positive(12)
     """Largest depth the depth policy may reach (LTD: 12)."""
-    fixed_size: int = 60
+    fixed_size: int = positive(60)
     """V while the depth policy trains alone (stage 1; EAGLE-3's 60)."""
-    fixed_depth: int = 8
+    fixed_depth: int = positive(8)
     """Depth when the size policy is validated alone (EAGLE-3's 8)."""
     sizes: tuple[int, ...] = LTD_SIZES
     """The size policy's actions (LTD: 20, 40, ..., 240)."""
-    size_steps: int = 60_000
+    size_steps: int = positive(60_000)
     """Stage-1 environment steps of π_V (paper: 100k)."""
-    depth_steps: int = 150_000
+    depth_steps: int = positive(150_000)
     """Stage-1 environment steps of π_D (paper: 1M)."""
-    iter_steps: int = 40_000
+    iter_steps: int = positive(40_000)
     """Environment steps of each co-adaptation iteration."""
-    iterations: int = 3
+    iterations: int = between(0, 3, 3)
     """Co-adaptation iterations after stage 1 (0..3: Iter1..Iter3)."""
-    only: str | None = None
+    only: str | None = choice(("size", "depth"), None)
     """``size`` or ``depth``: train that stage-1 policy alone and export it (the paper's reward and
     observation ablations are on the size policy alone); None = the whole pipeline."""
-    reward: str = "throughput"
+    reward: str = choice(REWARDS[:3], "throughput")
     """throughput (LTD), acceptance or time (the paper's reward ablation); see adaptree.offline.envs."""
     use_depth: bool = True
     """Observation includes D (ablation P+L when False)."""
     use_length: bool = True
     """Observation includes L (ablation P+D when False)."""
-    n_envs: int = 8
+    n_envs: int = positive(8)
     """Environments stepped together (a rollout is ``rollout`` steps in all)."""
-    rollout: int = 2048
+    rollout: int = positive(2048)
     """PPO rollout length (all environments together; paper: 2048)."""
-    batch_size: int = 256
-    n_epochs: int = 20
+    batch_size: int = positive(256)
+    n_epochs: int = positive(20)
     ent_coef: float = 0.01
     lr: float = 1e-3
     warmup: float = 0.01
@@ -124,22 +125,22 @@ class LTDTrainConfig:
     depth_vf: tuple[int, ...] = (1024, 256)
     size_pi: tuple[int, ...] = (1024, 256)
     size_vf: tuple[int, ...] = (1024, 256)
-    val_fraction: float = 0.25
+    val_fraction: float = between(0.0, 1.0, 0.25, lo_open=True, hi_open=True)
     """Share of the training traces (by prompt) held out for checkpoint selection."""
-    eval_every: int = 8
+    eval_every: int = positive(8)
     """Validate every this many rollouts (and at the end of a stage)."""
     costs: bool = False
     """The policies see the machine's cost features (adaptree.offline.family)."""
     family: tuple[str, ...] = ()
     """More measured latency models (JSON files) to train over, next to the main one: each generation runs on a
     member drawn at random (perturbed by ``spread``); validation is the geometric mean over the measured ones."""
-    spread: float = 1.0
+    spread: float = at_least(1.0, 1.0)
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
     match: bool = False
     """The policies observe the cycle's context match and every cycle carries the context's chain (the chain
     calibration is fitted on the training traces, ``OUT/chain.json``)."""
-    chain_tokens: int = 16
+    chain_tokens: int = positive(16, integer=True)
     """With ``match``: the longest context chain per cycle."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
@@ -149,18 +150,7 @@ class LTDTrainConfig:
     """torch threads for PPO updates (None: torch's default)."""
 
     def __post_init__(self) -> None:
-        if self.reward not in REWARDS[:3]:
-            raise ValueError(f"reward must be one of {REWARDS[:3]}, got {self.reward!r}")
-        if not 0 <= self.iterations <= 3:
-            raise ValueError(f"iterations must be in 0..3, got {self.iterations}")
-        if self.only not in (None, "size", "depth"):
-            raise ValueError(f"only must be 'size', 'depth' or None, got {self.only!r}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        for name in ("size_steps", "depth_steps", "iter_steps", "n_envs", "rollout", "batch_size", "n_epochs",
-                     "eval_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
         if self.rollout % self.n_envs:
             raise ValueError(f"rollout ({self.rollout}) must be a multiple of n_envs ({self.n_envs})")
         if not 1 <= self.fixed_depth <= self.max_depth:
@@ -169,10 +159,6 @@ class LTDTrainConfig:
         if len(self.sizes) < 2 or min(self.sizes) < 1:
             raise ValueError(f"sizes needs at least 2 values >= 1, got {self.sizes}")
         self.family = tuple(str(f) for f in self.family)
-        if not self.spread >= 1.0:
-            raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
-        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 1:
-            raise ValueError(f"chain_tokens must be a positive integer, got {self.chain_tokens!r}")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptree.core.config import check_fields, choice
 from adaptree.core.context import MAX_MATCH, SELECT, ContextIndex
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 
@@ -27,7 +28,7 @@ class NgramConfig:
     chain costs more than an autoregressive step on a CPU)."""
     max_n: int = 4
     """Longest n-gram matched (vLLM's ``prompt_lookup_max``); longer matches are preferred."""
-    select: str = "recent"
+    select: str = choice(SELECT, "recent")
     """Which earlier occurrence of the match proposes the chain: ``recent`` (the most recent, as prompt lookup does
     it) or ``longest`` (the one whose match reaches furthest back, as the hybrid picks it)."""
 
@@ -36,8 +37,7 @@ class NgramConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.select not in SELECT:
-            raise ValueError(f"select must be one of {', '.join(SELECT)}, got {self.select!r}")
+        check_fields(self)
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must be <= max_n ({self.max_n})")
         if self.max_n > MAX_MATCH:

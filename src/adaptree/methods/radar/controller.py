@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from adaptree.core.config import between
 from adaptree.core.controller import Controller, CycleContext, TreePlan, TreeShape
 from adaptree.core.tree import DraftStep
 from adaptree.methods.common import LearnedRuntime, LearnedSeam
@@ -41,7 +42,7 @@ class RadarConfig(LearnedRuntime, TreeShape):
     policy: str | None = None
     """Policy folder (config.json + model.safetensors; ``radar/`` next to the head in use when built through the
     method registry)."""
-    threshold: float = 0.5
+    threshold: float = between(0.0, 1.0, 0.5, lo_open=True)
     """Deterministic rule: stop iff P(STOP) >= threshold (0.5 = argmax)."""
     stochastic: bool = False
     """Sample the decision from the policy (the paper's released behaviour) instead of thresholding."""
@@ -49,11 +50,6 @@ class RadarConfig(LearnedRuntime, TreeShape):
     """Seed of the stochastic decisions' generator (reset with every generation)."""
 
     unset_depth: ClassVar[int] = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
 
 
 class RadarController(LearnedSeam, Controller):

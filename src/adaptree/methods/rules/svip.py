@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from adaptree.core.config import between, choice
 from adaptree.core.controller import StaticController, TreeShape
 from adaptree.core.tree import DraftStep
 
@@ -42,22 +43,12 @@ class SVIPConfig(TreeShape):
 
     depth: int = 12
     """Maximum draft depth (LTD: 12 for the dynamic-depth baselines)."""
-    entropy_factor: float = 0.15
+    entropy_factor: float = between(0.0, math.inf, 0.15, lo_open=True, hi_open=True)
     """gamma: the cross-entropy / draft-entropy factor in SVIP's bound 1 - sqrt(gamma * H)."""
-    min_entropy: float = 0.3
+    min_entropy: float = between(0.0, 1.0, 0.3, lo_open=True, hi_open=True)
     """h: stop once sqrt(gamma * H_d) exceeds it (estimated acceptance below 1 - h)."""
-    entropy_source: str = "best"
+    entropy_source: str = choice(SOURCES, "best")
     """Whose distribution gives H_d: best (the best beam node's) or beam_min (the lowest over the beam)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not (self.entropy_factor > 0.0 and math.isfinite(self.entropy_factor)):
-            raise ValueError(f"entropy_factor must be a positive number, got {self.entropy_factor}")
-        if not 0.0 < self.min_entropy < 1.0:
-            raise ValueError(f"min_entropy (threshold on sqrt(entropy_factor * H)) must be in (0, 1), "
-                             f"got {self.min_entropy}")
-        if self.entropy_source not in SOURCES:
-            raise ValueError(f"entropy_source must be one of {', '.join(SOURCES)}, got {self.entropy_source!r}")
 
     @property
     def entropy_threshold(self) -> float:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from adaptree.core.config import at_least, check_fields, positive
 from adaptree.core.controller import StaticConfig, StaticController
 
 if TYPE_CHECKING:
@@ -38,19 +39,19 @@ class TuneConfig:
     every verified node costs ~2-3% of a one-token forward), and a grid search that cannot reach them
     is a straw man."""
 
-    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12])
+    depths: list[int] = positive(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12])
     """Draft depths to try."""
-    sizes: list[int] = field(default_factory=lambda: [2, 4, 6, 10, 20, 40, 60, 100, 160, 240])
+    sizes: list[int] = positive(default_factory=lambda: [2, 4, 6, 10, 20, 40, 60, 100, 160, 240])
     """Verification sizes V to try."""
-    widths: list[int] = field(default_factory=lambda: [10])
+    widths: list[int] = positive(default_factory=lambda: [10])
     """Beam widths W (EAGLE-3's 10 by default; give several to search W too)."""
-    prompts: int = 12
+    prompts: int = positive(12)
     """Tuning prompts available (half ShareGPT validation, half HumanEval tail)."""
-    first_round_prompts: int = 2
+    first_round_prompts: int = positive(2)
     """Prompts every config is measured on in the first round."""
-    eta: int = 3
+    eta: int = at_least(2, 3)
     """Successive-halving factor: keep 1/eta of the configs, measure them on eta times the prompts."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = positive(48)
     """Tokens per measured generation."""
     seed: int = 0
     """Seed of the order the configs are measured in on each prompt."""
@@ -58,18 +59,10 @@ class TuneConfig:
     """Search folder: tune.jsonl (resumed), tune_config.json, static_gs.json."""
 
     def __post_init__(self) -> None:
-        for name, lo in (("depths", 1), ("sizes", 1), ("widths", 1)):
-            vals = getattr(self, name)
-            if not vals:
+        for name in ("depths", "sizes", "widths"):
+            if not getattr(self, name):
                 raise ValueError(f"{name} is empty")
-            bad = [v for v in vals if v < lo]
-            if bad:
-                raise ValueError(f"{name} must be >= {lo}, got {bad[0]}")
-        for name in ("prompts", "first_round_prompts", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eta < 2:
-            raise ValueError(f"eta must be >= 2, got {self.eta}")
+        check_fields(self)
         if self.first_round_prompts > self.prompts:
             raise ValueError(f"first_round_prompts ({self.first_round_prompts}) exceeds prompts ({self.prompts})")
 
