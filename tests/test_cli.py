@@ -94,7 +94,8 @@ def test_method_options_keep_each_methods_defaults():
 
     p = build_parser()
     args = p.parse_args(["generate", "hi", "-D", "5", "--deagle-votes", "survival,expected"])
-    assert method_options(args, "deagle") == {"depth": 5, "votes": ("survival", "expected"), "min_votes": 2}
+    assert method_options(args, "deagle") == {"depth": 5, "votes": ("survival", "expected")}  # what was given
+    assert DeagleConfig(**method_options(args, "deagle")).min_votes == 2  # DEAGLE's own rule: 2 of the 2 votes
     assert method_options(args, "resps") == {} and method_options(args, "hf_generate") == {}
     assert LTDConfig(**method_options(args, "ltd")).depth == 5
 

@@ -173,3 +173,15 @@ def test_every_commands_config_refuses_what_its_fields_say():
                 checked += 1
     assert checked > 100
 
+
+def test_deagle_derives_its_min_votes_from_the_votes():
+    """DEAGLE's rule lives in its config: with min_votes unset, 2 of the enabled votes, or 1 with a single vote (the
+    paper's one-heuristic ablation); a given min_votes is checked against the votes."""
+    from adaptree.methods import DeagleConfig, make_controller
+
+    assert DeagleConfig().min_votes == 2 and DeagleConfig(votes="survival,momentum").min_votes == 2
+    assert DeagleConfig(votes=("expected",)).min_votes == 1
+    assert make_controller("deagle", votes=("momentum",)).config.min_votes == 1  # as the command line builds it
+    assert DeagleConfig(votes=("survival", "momentum", "expected"), min_votes=3).min_votes == 3
+    with pytest.raises(ValueError, match="min_votes must be in 1..1 .*got 2"):
+        DeagleConfig(votes=("expected",), min_votes=2)

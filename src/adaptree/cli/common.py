@@ -384,8 +384,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
 
 def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """The config fields of ``method`` given on the command line; fields not given keep the method's defaults
-    (depth 8 for static, 12 for deagle, ...). ``--deagle-votes`` alone also sets DEAGLE's ``min_votes`` to
-    min(2, number of votes). A name that is no method (a bench's Hugging Face arm) has none."""
+    (depth 8 for static, 12 for deagle, ...). A name that is no method (a bench's Hugging Face arm) has none."""
     from adaptree.methods import REGISTRY
 
     m = REGISTRY.get(method)
@@ -394,8 +393,6 @@ def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(m.config)}
     opts = {f: getattr(args, f) for f in SHAPE_FLAGS if f in names and getattr(args, f, None) is not None}
     opts.update(method_flags()[method].values(args))
-    if method == "deagle" and "votes" in opts:
-        opts.setdefault("min_votes", min(2, len(opts["votes"])) or 1)
     return opts
 
 

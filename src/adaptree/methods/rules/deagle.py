@@ -26,8 +26,8 @@ After every draft forward (depth ``d``) the controller reads the survival probab
   once :math:`E_d \\le d - 1`, when the tree is at least one full level deeper than the expected
   acceptance. ``expected_offset=0`` gives the literal rule.
 
-Drafting stops once at least ``min_votes`` (2) of the enabled ``votes`` are cast, or at the maximum
-depth. ``votes=("expected",), min_votes=1`` (etc.) is the paper's single-heuristic ablation. The tree
+Drafting stops once at least ``min_votes`` (2; 1 when one vote is enabled) of the enabled ``votes`` are cast, or at
+the maximum depth. ``votes=("expected",)`` (etc.) is the paper's single-heuristic ablation. The tree
 itself is EAGLE-3's (W=10, V=60); the maximum depth defaults to 12, the depth LTD gives every dynamic
 depth method (DEAGLE's paper sweeps 6..18 and names no single default).
 """
@@ -64,8 +64,8 @@ class DeagleConfig(TreeShape):
     """Expected-length vote if d >= ceil(E_d) + offset; 1 counts the bonus token (see module doc), 0 is literal."""
     votes: tuple[str, ...] = VOTES
     """Which votes are cast: any of survival, momentum, expected (the ablation uses one)."""
-    min_votes: int = 2
-    """Stop once this many of the enabled votes are cast (paper: 2 of 3)."""
+    min_votes: int | None = None
+    """Stop once this many of the enabled votes are cast; None = 2, or 1 with a single vote (paper: 2 of 3)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +77,8 @@ class DeagleConfig(TreeShape):
         bad = [v for v in self.votes if v not in VOTES]
         if bad or not self.votes or len(set(self.votes)) != len(self.votes):
             raise ValueError(f"votes must be distinct names from {', '.join(VOTES)}, got {self.votes!r}")
+        if self.min_votes is None:  # the paper's 2 of 3, as many as there are when fewer votes are enabled
+            self.min_votes = min(2, len(self.votes))
         if not 1 <= self.min_votes <= len(self.votes):
             raise ValueError(f"min_votes must be in 1..{len(self.votes)} (the number of votes), got {self.min_votes}")
 
