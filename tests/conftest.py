@@ -11,9 +11,10 @@ import torch
 # exercise the machine setup turn it on explicitly, with a cache folder of their own. Subprocesses inherit this.
 os.environ["ADAPTREE_ADAPT"] = "0"
 
+from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.models.config import ModelConfig
 from adaptree.models.eagle3 import Eagle3Head
-from adaptree.models.llama import Transformer
+from adaptree.models.llama import ForwardOutput, Transformer
 from adaptree.offline.traces import TraceSettings
 
 PROMPTS = [[1, 5, 3], [2], [7, 7, 7, 7, 1, 0, 9], [4, 11, 2, 8, 15, 3, 6, 1, 12, 13, 5]]
@@ -41,6 +42,17 @@ def tiny_head(target: Transformer, draft_vocab: int | None = None, seed: int = 1
     vocab = target.config.vocab_size
     counts = torch.arange(vocab, 0, -1).float()  # lower ids more frequent
     return Eagle3Head.init_for_target(target, draft_vocab or vocab, counts, seed=seed).eval()
+
+
+def open_tree(target: Transformer, head: Eagle3Head, prompt: list[int], width: int, *, cache=None,
+              head_cache: int = 128) -> tuple[DraftTree, DraftStep, ForwardOutput]:
+    """How every draft opens: the target's forward over ``prompt`` (into its ``cache`` when given), its greedy next
+    token as the root of a :class:`DraftTree` of ``width`` (in a fresh head cache of ``head_cache`` positions) and
+    the tree's first level. Returns the tree, that first step and the target's output; call it under no_grad."""
+    out = target(torch.tensor([prompt]), cache=cache, features=True)
+    root = int(out.logits[0, -1].argmax())
+    tree = DraftTree(head, head.new_cache(head_cache), width, root, len(prompt))
+    return tree, tree.first_step(out.features, torch.tensor([prompt[1:] + [root]])), out
 
 
 TINY_THREADS = int(os.environ.get("ADAPTREE_TEST_THREADS") or 1)
@@ -75,3 +87,35 @@ def models():
 def tiny_pair():
     target = tiny_target()
     return target, tiny_head(target, draft_vocab=12)
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """A tiny Hugging Face llama folder (256-token context, a word-level tokenizer with a chat template) and a
+    float32 EAGLE-3 head folder for it that holds no policies and no tuned tree, made once per test module."""
+    from test_models import save_hf  # not at the top: test_models imports this module
+
+    from adaptree.models import load_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    model = save_hf("llama", root / "model")
+    target, _ = load_target(model)
+    tiny_head(target, seed=3).save_pretrained(root / "head", dtype=torch.float32)
+    return model, root / "head"
+
+
+class ToyTokenizer:
+    """A tokenizer for text prompts on the tiny folders' model: every id decodes to visible text (the tiny random
+    model emits ids the saved word-level vocabulary lacks)."""
+
+    chat_template = "toy"
+    eos_token_ids: list[int] = []  # a random model may emit any id first: these tests are about cycles, not stops
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + len(w) % 13 for w in text.split()]
+
+    def apply_chat(self, messages) -> list[int]:
+        return [1] + [i for m in messages for i in self.encode(m["content"])]
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" for i in ids)

@@ -12,25 +12,11 @@ import threading
 import time
 
 import pytest
-import torch
-from conftest import tiny_head
-from test_models import save_hf
-
-from adaptree.models import load_target
 
 TINY_FLAGS = ["--prompts", "2", "--max-new-tokens", "8", "--max-depth", "4", "--width", "4", "--widths", "2,4",
               "--sizes", "0,1,2,4", "--lengths", "8,24", "--repeats", "1", "--validate-tokens", "4",
               "--confirm-rounds", "1", "--confirm-tokens", "4", "--methods", "ar,static,static-gs"]
 """An ``adaptree adapt`` of a few seconds on a tiny model (two execution modes, no compile measurement)."""
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    model = save_hf("llama", root / "model")
-    target, _ = load_target(model)
-    tiny_head(target, seed=3).save_pretrained(root / "head", dtype=torch.float32)
-    return model, root / "head"
 
 
 def test_two_processes_on_one_empty_cache_measure_once_and_agree(tiny_folders, tmp_path):

@@ -7,41 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_head
-from test_models import save_hf
+from conftest import ToyTokenizer
 
 import adaptree
 from adaptree.methods import METHODS, MissingAssetError
-from adaptree.models import load_target
 
 SRC = Path(adaptree.__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    """A tiny HF model folder (with a word-level tokenizer and a chat template) and an EAGLE-3 head folder for it
-    that holds no policies and no tuned tree."""
-    root = tmp_path_factory.mktemp("tiny")
-    model = save_hf("llama", root / "model")
-    target, _ = load_target(model)
-    tiny_head(target, seed=3).save_pretrained(root / "head", dtype=torch.float32)
-    return model, root / "head"
-
-
-class ToyTokenizer:
-    """Every id decodes to visible text (the tiny random model emits ids the saved word-level vocabulary lacks)."""
-
-    chat_template = "toy"
-    eos_token_ids: list[int] = []  # a random model may emit any id first: these tests are about cycles, not stops
-
-    def encode(self, text: str) -> list[int]:
-        return [3 + len(w) % 13 for w in text.split()]
-
-    def apply_chat(self, messages) -> list[int]:
-        return [1] + [i for m in messages for i in self.encode(m["content"])]
-
-    def decode(self, ids) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 @pytest.fixture(scope="module")

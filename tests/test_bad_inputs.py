@@ -11,24 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_head
-from test_models import save_hf
 
 import adaptree
 from adaptree import cli
 from adaptree.core.verify import MIN_TEMPERATURE, SamplingConfig
 from adaptree.models import load_target
 from adaptree.models.eagle3 import Eagle3Head
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    """A tiny Hugging Face model folder (256-token context) and an EAGLE-3 head folder for it."""
-    root = tmp_path_factory.mktemp("tiny")
-    model = save_hf("llama", root / "model")
-    target, _ = load_target(model)
-    tiny_head(target, seed=3).save_pretrained(root / "head", dtype=torch.float32)
-    return model, root / "head"
 
 
 def generate(model: Path, *flags: str, draft: Path | str = "none") -> list[str]:

@@ -11,6 +11,7 @@ import signal
 
 import pytest
 import torch
+from conftest import ToyTokenizer
 from test_models import save_hf
 
 import adaptree
@@ -22,22 +23,6 @@ from adaptree.bench.runner import BenchConfig, bench_loop, run_bench
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.data.prompts import Prompt
-
-
-class ToyTokenizer:
-    """Every id decodes to visible text (the tiny random model emits ids a saved word-level vocabulary lacks)."""
-
-    chat_template = "toy"
-    eos_token_ids: list[int] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [3 + len(w) % 13 for w in text.split()]
-
-    def apply_chat(self, messages) -> list[int]:
-        return [1] + [i for m in messages for i in self.encode(m["content"])]
-
-    def decode(self, ids) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, open_tree
 
 from adaptree.core.engine import Engine
 from adaptree.core.records import CycleRecord
-from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.core.tree import DraftStep
 from adaptree.methods import (
     METHODS,
     CycleContext,
@@ -160,13 +160,9 @@ def test_svip_entropy_rule():
 
 def test_draft_steps_carry_their_distributions(tiny_pair):
     target, head = tiny_pair
-    prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        out = target(torch.tensor([prompt]), features=True)
-        root = int(out.logits[0, -1].argmax())
-        tree = DraftTree(head, head.new_cache(128), 4, root, len(prompt))
-        steps = [tree.first_step(out.features, torch.tensor([prompt[1:] + [root]]))]
-        steps += [tree.step() for _ in range(2)]
+        tree, first, _ = open_tree(target, head, [3, 1, 4, 1, 5], 4)
+        steps = [first] + [tree.step() for _ in range(2)]
     for s in steps:
         rows = 1 if s.depth == 1 else 4
         assert s.logp.shape == (rows, head.config.draft_vocab_size)

@@ -8,13 +8,12 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, tiny_head, tiny_target
+from conftest import PROMPTS, open_tree, tiny_head, tiny_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from adaptree.core.engine import Engine
-from adaptree.core.tree import DraftTree
 from adaptree.core.verify import SamplingConfig, warp_probs
 from adaptree.methods import (
     Controller,
@@ -101,12 +100,8 @@ def test_random_schedules_are_lossless(tiny_pair, seed, prompt, n, dtype_seed):
 def test_tree_invariants(tiny_pair, w, d, v, prompt):
     target, head = tiny_pair
     with torch.no_grad():
-        out = target(torch.tensor([prompt]), features=True)
-        root = int(out.logits[0, -1].argmax())
-        cache = head.new_cache(256)
-        tree = DraftTree(head, cache, w, root, len(prompt))
-        nxt = torch.tensor([prompt[1:] + [root]])
-        step = tree.first_step(out.features, nxt)
+        tree, step, _ = open_tree(target, head, prompt, w, head_cache=256)
+        cache, root = tree.cache, tree.root
         assert step.child_scores.shape == (1, w) and step.depth == 1
         while tree.depth < d:
             step = tree.step()
@@ -157,11 +152,8 @@ def test_tree_scores_equal_sequential_draft_forwards(tiny_pair):
     target, head = tiny_pair
     prompt = [3, 1, 4, 1, 5]
     with torch.no_grad():
-        out = target(torch.tensor([prompt]), features=True)
-        root = int(out.logits[0, -1].argmax())
-        nxt = torch.tensor([prompt[1:] + [root]])
-        tree = DraftTree(head, head.new_cache(128), 4, root, len(prompt))
-        tree.first_step(out.features, nxt)
+        tree, _, out = open_tree(target, head, prompt, 4)
+        nxt = torch.tensor([prompt[1:] + [tree.root]])
         for _ in range(3):
             tree.step()
         toks, scores, parents, depths = (tree.candidate_tokens(), tree.candidate_scores(),

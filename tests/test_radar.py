@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPTS, tiny_head, tiny_target
+from conftest import PROMPTS, open_tree, tiny_head, tiny_target
 from scipy.stats import chisquare
 from ties import assert_mostly_exact, lossless_replays, replay_against_live
 
@@ -52,10 +52,7 @@ def draft(target, head, prompt, width, depth):
     """A DraftTree of ``depth`` levels after ``prompt`` and a target cache holding the prompt."""
     with torch.no_grad():
         cache = target.new_cache(128)
-        out = target(torch.tensor([prompt]), cache=cache, features=True)
-        root = int(out.logits[0, -1].argmax())
-        tree = DraftTree(head, head.new_cache(256), width, root, len(prompt))
-        tree.first_step(out.features, torch.tensor([prompt[1:] + [root]]))
+        tree, _, _ = open_tree(target, head, prompt, width, cache=cache, head_cache=256)
         while tree.depth < depth:
             tree.step()
     return tree, cache
