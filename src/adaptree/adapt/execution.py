@@ -14,9 +14,7 @@ from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_l
 from adaptree.adapt.setup import AdaptConfig, adapt
 from adaptree.core.engine import synchronize
 from adaptree.core.pipeline import PipelineLike
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names :func:`adaptree.load` takes (and ``"auto"``: chosen by measurement on this machine)."""
+from adaptree.models.cache import DTYPES  # adaptree.load takes these names and "auto" (measured)
 
 WEIGHTS = ("float", "int4")
 """How :func:`adaptree.load` runs the weights: ``float`` (dequantised to the dtype) or ``int4`` (a GGUF model's own

@@ -53,12 +53,12 @@ from adaptree.head_training.features import (
     target_fingerprint,
 )
 from adaptree.head_training.ttt import chain_lengths, collate, ttt_loss
+from adaptree.models.cache import DTYPES
 from adaptree.models.eagle3 import Eagle3Head
 from adaptree.offline import runs
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["step_acc"][0], "last": None}
 """How the exported weights are chosen among the validations (``TrainHeadConfig.select``)."""
 

@@ -60,6 +60,7 @@ from adaptree.models.tokenizer import TokenizerBundle
 __all__ = [
     "CACHE_ENV",
     "CACHE_FORMAT",
+    "DTYPES",
     "cache_dir",
     "discard_float_folder",
     "dtype_name",
@@ -152,7 +153,10 @@ def remember_sha256(path: Path, digest: str, st: os.stat_result | None = None) -
 # The cached float form of GGUF files
 # ------------------------------------------------------------------------------------------------
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes by name: those :func:`adaptree.load` and the head trainer take, and the float forms the cache holds."""
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
