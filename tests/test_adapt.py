@@ -147,6 +147,8 @@ def test_adapt_config_rejects_bad_values():
         AdaptConfig(methods=("ar", "nope"))
     with pytest.raises(ValueError, match="must include 'ar'"):
         AdaptConfig(methods=("static",))
+    with pytest.raises(ValueError, match=r"probe_sizes needs at least two distinct sizes, got \[4, 4\]"):
+        AdaptConfig(probe_sizes=(4, 4))
 
 
 def test_learned_methods_take_this_machines_latency_and_retrained_policies(models, cache):
@@ -219,3 +221,64 @@ def test_report_line_shows_the_live_check():
     assert "live check vs AR: static-gs 0.91x (median of 3 rounds" in line
     (old,) = machine_setup_lines({k: v for k, v in setup.items() if k != "confirmed"})  # a version-1 summary.json
     assert "live check" not in old
+
+
+PROBED = dict(prompts=2, max_new_tokens=8, max_depth=4, width=4, widths=(2, 4), sizes=(0, 1, 2, 4), lengths=(8, 24),
+              repeats=1, validate_tokens=4, confirm_rounds=1, confirm_tokens=4, probe_sizes=(0, 2, 4))
+"""A choice of execution mode of a few seconds on the tiny model."""
+
+
+def test_every_mode_is_probed_and_only_the_one_kept_is_set_up(tiny_folders, cache):
+    """``dtype="auto"``: each candidate mode is loaded once and probed on traces recorded once; the best-probed mode
+    gets the full setup (here the only one: with AR the only method, the live check cannot undo what the probe counted
+    on), and the execution file and the setup record the probes."""
+    from adaptree.adapt import AdaptConfig
+    from adaptree.adapt.execution import choose_execution
+    from adaptree.api import load_execution
+
+    model, head = tiny_folders
+    loads, said = [], []
+
+    def load(mode):
+        loads.append(mode)
+        return load_execution(model, head, mode, measure=True)
+
+    cfg = AdaptConfig(**PROBED, methods=("ar",))
+    p = choose_execution(load, ("bfloat16", "float32"), model, head, cfg=cfg, progress=False, message=said.append)
+    assert loads == ["bfloat16", "float32"]  # each loaded once: the best-probed pipeline is the one set up
+    assert [line.split(":")[0] for line in said if line.startswith("probe ")] == ["probe bfloat16", "probe float32"]
+    assert sum("measuring this machine once" in line for line in said) == 1
+    assert len(list((cache / "machines").glob("*/setup.json"))) == 1  # one full setup, the kept mode's
+    assert len([d for d in (cache / "traces").iterdir() if d.is_dir()]) == 1  # traces recorded once, for both
+    (path,) = (cache / "machines").glob("execution-*.json")
+    entry = json.loads(path.read_text())
+    probes = entry["probes"]
+    assert set(probes) == {"bfloat16", "float32"} and all(v["method"] == "ar" and v["tokens_per_s"] > 0
+                                                          for v in probes.values())
+    assert entry["chosen_by"] == "probe" and entry["set_up"] == [p.execution] == [entry["execution"]]
+    assert p.execution == max(probes, key=lambda m: probes[m]["tokens_per_s"])
+    assert p.machine.execution_choice["probes"] == probes and p.machine.default_method == "ar"
+    assert any(line.startswith(f"full setup of {p.execution}:") and "(about " in line for line in said)
+    # the choice is cached: the kept mode alone is loaded, nothing is measured
+    loads.clear()
+    said.clear()
+    again = choose_execution(load, ("bfloat16", "float32"), model, head, cfg=cfg, progress=False,
+                             message=said.append)
+    assert loads == [p.execution] and said == [] and again.machine.to_dict() == p.machine.to_dict()
+
+
+def test_a_runner_up_is_set_up_only_while_its_probe_beats_what_the_live_check_kept():
+    from adaptree.adapt.probe import Probe, next_to_set_up
+
+    def probe(name, rates):
+        return Probe(name, {m: r if isinstance(r, dict) else {"tokens_per_s": r} for m, r in rates.items()}, 10.0, 1.0)
+
+    probes = {"bfloat16": probe("bfloat16", {"ar": 40.0, "hybrid": 60.0, "static": 90.0}),
+              "bfloat16+int4": probe("bfloat16+int4", {"ar": 55.0, "hybrid": 50.0}),
+              "float32": probe("float32", {"ar": 20.0, "static-gs": 30.0, "ltd": {"skipped": "no policy"}})}
+    assert probes["bfloat16"].method == "hybrid"  # static (the papers' baseline) is never the default
+    assert next_to_set_up(probes, {}) == "bfloat16"
+    assert next_to_set_up(probes, {"bfloat16": "hybrid"}) is None  # the live check kept what the probe counted on
+    assert next_to_set_up(probes, {"bfloat16": "ar"}) == "bfloat16+int4"  # it kept ar (40): int4's probe (55) beats it
+    assert next_to_set_up(probes, {"bfloat16": "ar", "bfloat16+int4": "ar"}) is None  # float32's 30 does not
+    assert next_to_set_up(probes, {m: "ar" for m in probes}) is None

@@ -16,7 +16,7 @@ import pytest
 TINY_FLAGS = ["--prompts", "2", "--max-new-tokens", "8", "--max-depth", "4", "--width", "4", "--widths", "2,4",
               "--sizes", "0,1,2,4", "--lengths", "8,24", "--repeats", "1", "--validate-tokens", "4",
               "--confirm-rounds", "1", "--confirm-tokens", "4", "--methods", "ar,static,static-gs"]
-"""An ``adaptree adapt`` of a few seconds on a tiny model (two execution modes, no compile measurement)."""
+"""An ``adaptree adapt`` of a few seconds on a tiny model (two execution modes probed, no compile measurement)."""
 
 
 def test_two_processes_on_one_empty_cache_measure_once_and_agree(tiny_folders, tmp_path):
@@ -30,13 +30,18 @@ def test_two_processes_on_one_empty_cache_measure_once_and_agree(tiny_folders, t
     for run, (out, err) in zip(runs, outs):
         assert run.returncode == 0, err
     err = "".join(e for _, e in outs)
-    # one process chose the execution mode, measuring a setup per candidate mode; the other measured nothing
+    # one process chose the execution mode, probing every candidate mode and measuring a setup for each mode the
+    # choice set up (the best-probed one, and a runner-up only where its probe still beat it); the other measured
+    # nothing
+    folder = tmp_path / "cache" / "machines"
+    (choice,) = (json.loads(f.read_text()) for f in folder.glob("execution-*.json"))
     assert err.count("choosing the execution mode by measurement among bfloat16, float32") == 1, err
-    assert err.count("measuring this machine once") == 2, err
+    assert err.count("probe bfloat16:") == err.count("probe float32:") == 1, err
+    assert err.count("measuring this machine once") == len(choice["set_up"]) >= 1, err
+    assert len(list(folder.glob("*/setup.json"))) == len(choice["set_up"])
     assert sum("measuring" in e for _, e in outs) == 1, err
     first, second = (json.loads(out) for out, _ in outs)
     assert first == second  # the same setup (its folder, files, timings and creation time)
-    folder = tmp_path / "cache" / "machines"
     assert not list(folder.rglob(".tmp-*")) and not list(folder.rglob("*.tmp"))  # no temporary file left behind
 
 

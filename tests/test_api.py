@@ -326,15 +326,21 @@ def test_load_without_adapting_never_measures(tiny_folders, tmp_path, monkeypatc
 
 def test_load_measures_once_then_finds_the_setup(tiny_folders, tmp_path, monkeypatch, capsys):
     """The first load measures (one line saying so, the execution mode chosen among bfloat16 and float32: a Hugging
-    Face folder has no int4 blocks), the second finds the cached setup and mode without measuring; the default
-    method comes from the setup."""
+    Face folder has no int4 blocks: both probed, the one kept set up fully), the second finds the cached setup and
+    mode without measuring; the default method comes from the setup."""
+    import json
+
     import adaptree
 
     model, head = tiny_folders
     monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path / "cache"))
     p = adaptree.load(model, head=head, adapt=True, progress=False)
     err = capsys.readouterr().err
-    assert "choosing the execution mode by measurement among bfloat16, float32 " in err and err.count("measuring this machine once") == 2
+    assert "choosing the execution mode by measurement among bfloat16, float32 " in err
+    assert err.count("probe bfloat16:") == 1 and err.count("probe float32:") == 1, err
+    (choice,) = (json.loads(f.read_text()) for f in (tmp_path / "cache" / "machines").glob("execution-*.json"))
+    # the kept mode is set up fully (and a runner-up only where its probe still beats what the live check kept)
+    assert err.count("measuring this machine once") == len(choice["set_up"]) >= 1 and p.execution in choice["set_up"]
     assert p.machine is not None and p.dtype_name in ("bfloat16", "float32")
     assert p.default_method == p.machine.default_method != "static"
     again = adaptree.load(model, head=head, adapt=True, progress=False)

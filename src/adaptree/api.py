@@ -343,8 +343,9 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, compile),
-                                        candidates, model, head, device, max_seq_len, progress=progress)
+                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, "off"),
+                                        candidates, model, head, device, max_seq_len, progress=progress,
+                                        compile=compile)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False

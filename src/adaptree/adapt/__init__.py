@@ -20,8 +20,11 @@ The package, by job:
   :func:`~adaptree.adapt.setup.adapt`, :func:`~adaptree.adapt.setup.find_setup`, the default method's live check);
 - :mod:`~adaptree.adapt.execution`: the execution mode (:data:`~adaptree.adapt.execution.DTYPES`,
   :func:`~adaptree.adapt.execution.execution_name`, ...); :func:`~adaptree.adapt.execution.choose_execution` is
-  ``dtype="auto"`` / ``weights="auto"``: it adapts each candidate execution mode (bfloat16, float32, bfloat16 with
-  the GGUF's int4 weights) and keeps the one whose best method models fastest;
+  ``dtype="auto"`` / ``weights="auto"``: it probes each candidate execution mode (bfloat16, float32, bfloat16 with
+  the GGUF's int4 weights) and makes the full setup of the best-probed one, keeping the mode whose default method
+  models fastest;
+- :mod:`~adaptree.adapt.probe`: the short probe of an execution mode (a few shapes timed once, every method
+  replayed on the shared traces) and the estimates of how long the choice takes;
 - :mod:`~adaptree.adapt.attention`: :func:`~adaptree.adapt.attention.attention_dtype` times attention in the
   model's dtype against float32;
 - :mod:`~adaptree.adapt.compile`: :func:`~adaptree.adapt.compile.compile_tokens` times ``torch.compile``'d

@@ -4,6 +4,7 @@ given or chosen by measurement (:func:`choose_execution`: ``dtype="auto"`` / ``w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_entry, say
-from adaptree.adapt.setup import AdaptConfig, adapt
+from adaptree.adapt.setup import AdaptConfig, AdaptError, adapt
 from adaptree.core.engine import synchronize
 from adaptree.core.pipeline import PipelineLike
 from adaptree.models.cache import DTYPES  # adaptree.load takes these names and "auto" (measured)
@@ -125,50 +126,124 @@ def cached_execution(candidates: Sequence[str], model, head, device="cpu", max_s
 
 def choose_execution(load: Callable[[str], PipelineLike], candidates: Sequence[str], model, head, device="cpu",
                      max_seq_len=None, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
-                     message: Callable[[str], None] = say) -> PipelineLike:
-    """``dtype="auto"`` / ``weights="auto"``: adapt a pipeline in each of ``candidates`` (execution modes) and keep
-    the one whose default method models fastest (with no head: the faster AR step); cached per machine, model,
-    head and candidate set (one process measures, others wait for its choice). ``load(mode)`` returns a pipeline
-    without adapting. Returns the chosen pipeline, adapted."""
+                     message: Callable[[str], None] = say, compile: str = "off") -> PipelineLike:
+    """``dtype="auto"`` / ``weights="auto"``: the execution mode of ``candidates`` whose default method models
+    fastest here, chosen by measurement (:func:`_choose`) and cached per machine, model, head and candidate set (one
+    process measures, others wait for its choice). ``load(mode)`` returns a pipeline in that mode, neither adapted
+    nor compiled; ``compile`` (:func:`~adaptree.adapt.compile.compile_tokens`'s mode) is measured and applied for the
+    mode kept. Returns the chosen pipeline, adapted."""
     if not candidates:
         raise ValueError("no execution mode to choose from")
+    cfg = cfg or AdaptConfig()
     known = None if force else cached_execution(candidates, model, head, device, max_seq_len)
     if known is None and len(candidates) > 1:
         path = _execution_file(model, head, device, max_seq_len, candidates)
         with measure_lock(path):
             known = None if force else cached_execution(candidates, model, head, device, max_seq_len)
             if known is None:  # not chosen by another process while this one waited either
-                return _choose(load, candidates, path, cfg, force, progress, message)
-    p = load(known or candidates[0])
-    if p.head is not None:
-        p.machine = adapt(p, cfg, force=force, progress=progress, message=message)
-    return p
+                return _choose(load, candidates, path, cfg, force, progress, message, compile)
+    return _set_up(load(known or candidates[0]), cfg, force, progress, message, compile)
 
 
-def _choose(load: Callable[[str], PipelineLike], candidates: Sequence[str], path: Path, cfg: AdaptConfig | None,
-            force: bool, progress: bool, message: Callable[[str], None]) -> PipelineLike:
-    """Adapt a pipeline in each of ``candidates``, write the choice to ``path`` and return the best pipeline."""
+def _set_up(pipeline: PipelineLike, cfg: AdaptConfig, force: bool, progress: bool, message: Callable[[str], None],
+            compile: str, traces: Path | None = None, choice: dict | None = None) -> PipelineLike:
+    """Measure (or take the cached) compile choice and machine setup of ``pipeline``'s mode; returns it adapted."""
+    from adaptree.adapt.compile import compile_tokens
+
+    pipeline.target.compile(compile_tokens(pipeline.target, True, compile, message))
+    if pipeline.head is not None:
+        pipeline.machine = adapt(pipeline, cfg, force=force, progress=progress, message=message, traces=traces,
+                                 choice=choice)
+    return pipeline
+
+
+def _choose(load: Callable[[str], PipelineLike], candidates: Sequence[str], path: Path, cfg: AdaptConfig,
+            force: bool, progress: bool, message: Callable[[str], None], compile: str) -> PipelineLike:
+    """Probe every mode of ``candidates`` (:func:`~adaptree.adapt.probe.probe`: a few shapes timed once, every method
+    replayed on traces recorded once) and make the full setup of the best-probed one only; a runner-up gets its full
+    setup too only while its probe beats the probe's rate of the default that the set-up modes' live checks kept (a
+    live check that keeps ``ar`` where the probe counted on a tree). Of the modes set up, the one whose default models
+    fastest is kept; the probes and the choice are written to ``path``. Without a head: the fastest AR step."""
+    from adaptree.adapt.probe import choice_estimate_s, next_to_set_up, probe, probe_latency, setup_estimate_s
+    from adaptree.adapt.setup import tuning_prompt_ids, tuning_traces
     from adaptree.offline.runs import write_json
 
-    message(f"choosing the execution mode by measurement among {', '.join(candidates)} (once per machine)")
-    scores, best, best_score, traces = {}, None, -1.0, None
+    first = load(candidates[0])
+    if first.head is None:
+        return _choose_ar(load, candidates, first, path, message, compile)
+    t0 = time.perf_counter()
+    try:
+        tuning = tuning_prompt_ids(first, cfg.prompts)
+        latency = probe_latency(first, cfg, progress)  # first: it prices what follows
+        est = choice_estimate_s(latency, cfg, len(candidates), first.engine.max_len,
+                                round(sum(len(ids) for _, ids in tuning) / len(tuning)))
+        message(f"choosing the execution mode by measurement among {', '.join(candidates)} (once per machine): greedy "
+                f"traces of {cfg.prompts} tuning prompts and their chain calibration (about {est['traces']:.0f} + "
+                f"{est['chain']:.0f} s, once per model and head), a short probe of each mode on them (about "
+                f"{est['probes'] + latency.meta['took_s']:.0f} s), then the full setup of the fastest only (about "
+                f"{est['setup']:.0f} s" + (" plus compiling)" if compile == "auto" else ")"))
+        folder, traces, acceptance = tuning_traces(first, cfg, tuning, progress=progress, message=message)
+    except (ValueError, RuntimeError) as e:
+        raise AdaptError(str(e)) from e
+    loaded = {candidates[0]: first}
+    del first
+    probes, best = {}, None  # best: (name, pipeline) of the best probe so far, kept loaded for its full setup
     for name in candidates:
-        p = load(name)
-        if p.head is not None:
-            p.machine = adapt(p, cfg, force=force, progress=progress, message=message, traces=traces)
-            traces = traces or p.machine.traces  # acceptance does not depend on the mode: trace once
-            score = p.machine.modelled_tokens_per_s()
-            scores[name] = {"method": p.machine.default_method, "tokens_per_s": score}
-        else:
-            score = 1.0 / _ar_step_s(p)
-            scores[name] = {"method": "ar", "tokens_per_s": score}
+        p = loaded.pop(name, None) or load(name)
+        try:
+            probes[name] = probe(p, cfg, traces, acceptance, progress, latency if name == candidates[0] else None)
+        except (ValueError, RuntimeError) as e:
+            raise AdaptError(f"probing {name}: {e}") from e
+        message(f"probe {name}: {probes[name].method} {probes[name].tokens_per_s:.1f} tok/s modelled (AR step "
+                f"{probes[name].ar_step_ms:.1f} ms; probed in {probes[name].took_s:.0f} s)")
+        if best is None or probes[name].tokens_per_s > probes[best[0]].tokens_per_s:
+            best = (name, p)
+        del p
+    record = {"candidates": list(candidates), "chosen_by": "probe",
+              "probes": {name: pr.to_dict() for name, pr in probes.items()}}
+    done: dict[str, PipelineLike] = {}
+    while (name := next_to_set_up(probes, {n: q.default_method for n, q in done.items()})) is not None:
+        p = best[1] if best is not None and best[0] == name else load(name)
+        best = None
+        checks = "torch.compile's check, " if compile == "auto" else ""
+        message(f"full setup of {name}: {checks}the latency calibration, the tree and the live check of the default "
+                f"(about {setup_estimate_s(probes[name], cfg, p.engine.max_len):.0f} s"
+                + (" plus compiling)" if checks else ")"))
+        done[name] = _set_up(p, cfg, force, progress, message, compile, folder, record)
+    scores = {n: {"method": q.default_method, "tokens_per_s": q.machine.modelled_tokens_per_s()}
+              for n, q in done.items()}
+    chosen = max(scores, key=lambda n: scores[n]["tokens_per_s"])
+    write_json({"execution": chosen, **record, "set_up": list(done), "scores": scores,
+                "took_s": time.perf_counter() - t0, "machine": machine_fields()}, path)
+    probed = ", ".join(f"{n} {pr.method} {pr.tokens_per_s:.1f}" for n, pr in probes.items())
+    set_up = ", ".join(f"{n} {v['method']} {v['tokens_per_s']:.1f}" for n, v in scores.items())
+    message(f"execution {chosen} (probes: {probed} tok/s modelled; set up: {set_up}; chosen in "
+            f"{time.perf_counter() - t0:.0f} s)")
+    return done[chosen]
+
+
+def _choose_ar(load: Callable[[str], PipelineLike], candidates: Sequence[str], first: PipelineLike, path: Path,
+               message: Callable[[str], None], compile: str) -> PipelineLike:
+    """With no head the only method is AR: keep the mode with the fastest decode step."""
+    from adaptree.adapt.compile import compile_tokens
+    from adaptree.offline.runs import write_json
+
+    message(f"choosing the execution mode by its decode step among {', '.join(candidates)} (once per machine)")
+    scores, best, best_score = {}, None, -1.0
+    loaded = {candidates[0]: first}
+    del first
+    for name in candidates:
+        p = loaded.pop(name, None) or load(name)
+        score = 1.0 / _ar_step_s(p)
+        scores[name] = {"method": "ar", "tokens_per_s": score}
         if score > best_score:
             best, best_score = p, score
-        else:
-            del p
-    write_json({"execution": best.execution, "scores": scores, "machine": machine_fields()}, path)
+        del p
+    write_json({"execution": best.execution, "chosen_by": "decode step", "scores": scores,
+                "machine": machine_fields()}, path)
     message("execution " + best.execution + " (" + ", ".join(
-        f"{k}: {v['method']} {v['tokens_per_s']:.1f} tok/s modelled" for k, v in scores.items()) + ")")
+        f"{k}: ar {v['tokens_per_s']:.1f} tok/s" for k, v in scores.items()) + ")")
+    best.target.compile(compile_tokens(best.target, True, compile, message))
     return best
 
 

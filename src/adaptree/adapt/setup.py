@@ -41,6 +41,10 @@ recorded) is a candidate for the default except ``static`` (EAGLE-3's default tr
 
 NOT_DEFAULT = ("static",)
 
+CHAIN_SAMPLES = 4
+"""Outputs sampled per tuning prompt at each sampled temperature for ``hybrid``'s chain calibration (a prompt has
+one greedy output, but many sampled ones)."""
+
 
 class AdaptError(ValueError):
     """The measurement could not run for this model (e.g. a context too short for the calibrated shapes); the
@@ -97,9 +101,18 @@ class AdaptConfig:
     """Tokens per generation of the live check (two tuning prompts per round)."""
     confirm_candidates: int = positive(2)
     """Best-modelled methods (each modelled faster than AR) the live check runs against AR."""
+    probe_sizes: tuple[int, ...] = at_least(0, (0, 1, 2, 4, 8, 16, 32, 64))
+    """Verification sizes V the short probe of each candidate execution mode times (:mod:`adaptree.adapt.probe`),
+    at the smallest and largest of :attr:`widths` and both :attr:`lengths`."""
+    probe_repeats: int = positive(3)
+    """Timed repetitions per shape of the probe (after one warm-up; the median kept, so that one slow repetition on
+    a busy machine does not decide the mode)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        self.probe_sizes = tuple(int(v) for v in self.probe_sizes)
+        if len(set(self.probe_sizes)) < 2:  # the probe's latency model needs two sizes to fit
+            raise ValueError(f"probe_sizes needs at least two distinct sizes, got {list(self.probe_sizes)}")
         from adaptree.methods import method
 
         self.methods = tuple(self.methods)
@@ -133,6 +146,10 @@ class MachineSetup:
     files: dict = field(default_factory=dict)
     """File name -> sha256 of the setup's files (:data:`SETUP_FILES`), written before ``setup.json``: a setup whose
     files are missing or differ (half of one measurement, half of another) is not used."""
+    execution_choice: dict = field(default_factory=dict)
+    """How this setup's execution mode was chosen when it was chosen by measurement
+    (:func:`~adaptree.adapt.execution.choose_execution`): ``{"candidates", "probes": {mode: {"method",
+    "tokens_per_s", ...}}, "set_up": [modes given a full setup]}``; empty when the mode was given."""
 
     @property
     def latency_path(self) -> Path:
@@ -317,6 +334,19 @@ def _traces(pipeline: PipelineLike, cfg: AdaptConfig, folder: Path | None, promp
     return Path(folder), [t for t in store.load_all() if t.key in keys]
 
 
+def tuning_traces(pipeline: PipelineLike, cfg: AdaptConfig, prompt_ids=None, folder: Path | None = None,
+                  progress: bool = True, message: Callable[[str], None] | None = None) -> tuple[Path, list, Path]:
+    """The greedy traces of the tuning prompts (``prompt_ids`` instead when given) and their acceptance and chain
+    calibrations, recorded once per model and head (:func:`_traces`; ``folder`` as it is when it holds traces):
+    what every execution mode's probe and setup replay (acceptance does not depend on the mode). Returns
+    (folder, traces, ``acceptance.json``)."""
+    tuning = list(prompt_ids) if prompt_ids is not None else tuning_prompt_ids(pipeline, cfg.prompts)
+    tfolder, recorded = _traces(pipeline, cfg, folder, tuning, progress)
+    if not recorded:
+        raise ValueError(f"no traces to model the methods on in {tfolder}")
+    return tfolder, recorded, _acceptance(tfolder, recorded, pipeline, message)
+
+
 def _acceptance(folder: Path, traces, pipeline: PipelineLike, message: Callable[[str], None] | None = None) -> Path:
     """``costaware``'s acceptance calibration of the traces in ``folder`` and ``hybrid``'s chain calibration
     (``chain.json``: greedy rates from the traces, combined with rates at each of
@@ -338,7 +368,7 @@ def _fit_acceptance(folder: Path, traces, pipeline: PipelineLike, message: Calla
         greedy = ChainCalibration.fit(traces)
         prompts = [t.prompt.tolist() for t in traces]
         new = max(t.end for t in traces)  # the traces' token limit, as near as they say
-        per = 4  # sampled outputs per prompt (a prompt has one greedy output, but many sampled ones)
+        per = CHAIN_SAMPLES
         sampled = []
         for temperature in SAMPLED_TEMPERATURES:
             if message is not None:
@@ -351,7 +381,25 @@ def _fit_acceptance(folder: Path, traces, pipeline: PipelineLike, message: Calla
     return path
 
 
-def _model_methods(pipeline: PipelineLike, cfg: AdaptConfig, traces, latency, assets: dict[str, str]) -> dict:
+def static_tree(traces, latency, cfg: AdaptConfig, path: Path, fp: dict) -> dict:
+    """The static tree (W, D, V) that models fastest on ``traces`` under ``latency`` (``static-gs``'s), written to
+    ``path``; returns ``{"width", "depth", "size", "modelled_speedup"}``."""
+    from adaptree.offline.oracle import best_static
+    from adaptree.offline.runs import write_json
+
+    width = traces[0].widths[0] if cfg.width not in traces[0].widths else cfg.width
+    depth = min(cfg.max_depth, traces[0].max_depth)
+    best = best_static(traces, latency, widths=(width,), depths=range(1, depth + 1))
+    tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup}
+    write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",
+                "fingerprint": fp}, path)
+    return tree
+
+
+def model_methods(pipeline: PipelineLike, cfg: AdaptConfig, traces, latency, assets: dict[str, str]) -> dict:
+    """Every method of ``cfg.methods`` replayed on ``traces`` with ``latency`` (the simulator; the controller's own
+    time measured here): method -> ``{"tokens_per_s", "speedup", "tau", "mean_depth", "mean_size"}``, or
+    ``{"skipped": reason}`` for one that cannot run here."""
     from adaptree.methods import make_controller
     from adaptree.offline.simulator import simulate
 
@@ -374,13 +422,15 @@ def _model_methods(pipeline: PipelineLike, cfg: AdaptConfig, traces, latency, as
 
 def adapt(pipeline: PipelineLike, cfg: AdaptConfig | None = None, *, force: bool = False, progress: bool = True,
           traces: str | os.PathLike | None = None, prompt_ids: Sequence[tuple[str, Sequence[int]]] | None = None,
-          message: Callable[[str], None] = say) -> MachineSetup:
+          message: Callable[[str], None] = say, choice: dict | None = None) -> MachineSetup:
     """The setup of ``pipeline`` on this machine: the cached one (:func:`find_setup`), else made now and cached (one
     process measures; others wait for it and take its setup).
 
     :param force: measure again even when a valid setup is cached.
     :param traces: a trace folder to replay instead of the cache's (used as it is when it exists).
     :param prompt_ids: ``(key, ids)`` prompts to trace instead of the tuning prompts.
+    :param choice: how the execution mode was chosen, kept in a setup measured now
+        (:attr:`MachineSetup.execution_choice`).
     :raises AdaptError: the measurement failed (the message says why).
     """
     if pipeline.head is None:
@@ -397,21 +447,22 @@ def adapt(pipeline: PipelineLike, cfg: AdaptConfig | None = None, *, force: bool
             if found is not None:
                 return found
         try:
-            return _measure(pipeline, cfg, fp, traces, prompt_ids, progress, message)
+            return _measure(pipeline, cfg, fp, traces, prompt_ids, progress, message, choice or {})
         except (ValueError, RuntimeError) as e:
             raise AdaptError(str(e)) from e
 
 
 def _measure(pipeline: PipelineLike, cfg: AdaptConfig, fp: dict, traces, prompt_ids, progress: bool,
-             message: Callable[[str], None]) -> MachineSetup:
+             message: Callable[[str], None], choice: dict) -> MachineSetup:
     from adaptree.offline.calibration import CalibrationConfig, run_calibration
-    from adaptree.offline.oracle import best_static
     from adaptree.offline.runs import write_json
 
     folder = machines_dir() / digest(fp)
-    message(f"measuring this machine once for {pipeline.model_label} in {pipeline.dtype_name} ({fp['cpu']}, "
-            f"{fp['cpu_capability']} kernels, {fp['torch_threads']} threads): latency, traces, the tree and the "
-            f"default method (about 2 minutes); cached in {folder}")
+    traced = traces is not None and (Path(traces) / "manifest.json").is_file()  # e.g. by the execution-mode probe
+    message(f"measuring this machine once for {pipeline.model_label} in {pipeline.execution} ({fp['cpu']}, "
+            f"{fp['cpu_capability']} kernels, {fp['torch_threads']} threads): "
+            + ("latency, the tree and the default method on the traces recorded" if traced else
+               "latency, traces, the tree and the default method (about 2 minutes)") + f"; cached in {folder}")
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     keyed = list(prompt_ids) if prompt_ids is not None else None
@@ -424,31 +475,23 @@ def _measure(pipeline: PipelineLike, cfg: AdaptConfig, fp: dict, traces, prompt_
     cal.model.meta.update(model=pipeline.model_label, head=pipeline.head_label, fingerprint=fp, source="adapt")
     cal.model.save(folder / "latency.json")
     t1 = time.perf_counter()
-    tfolder, recorded = _traces(pipeline, cfg, Path(traces) if traces else None, tuning, progress)
-    if not recorded:
-        raise ValueError(f"no traces to model the methods on in {tfolder}")
-    acc = _acceptance(tfolder, recorded, pipeline)
+    tfolder, recorded, acc = tuning_traces(pipeline, cfg, tuning, Path(traces) if traces else None, progress)
     t2 = time.perf_counter()
-    width = recorded[0].widths[0] if cfg.width not in recorded[0].widths else cfg.width
-    depth = min(cfg.max_depth, recorded[0].max_depth)
-    best = best_static(recorded, cal.model, widths=(width,), depths=range(1, depth + 1))
-    tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup}
-    write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",
-                "fingerprint": fp}, folder / "static_gs.json")
+    tree = static_tree(recorded, cal.model, cfg, folder / "static_gs.json", fp)
     assets = machine_assets(folder, acc)
-    methods = _model_methods(pipeline, cfg, recorded, cal.model, assets)
+    methods = model_methods(pipeline, cfg, recorded, cal.model, assets)
     default, confirmed = confirm_default(pipeline, cfg, methods, val, assets, progress)
     t3 = time.perf_counter()
     setup = MachineSetup(folder, json.loads(json.dumps(fp)), default, tree, methods,
                          {"calibration": t1 - t0, "traces": t2 - t1, "choice": t3 - t2, "total": t3 - t0,
                           "trace_prompts": len(recorded)},
                          str(tfolder), time.strftime("%Y-%m-%dT%H:%M:%S"), confirmed,
-                         {name: file_sha256(folder / name) for name in SETUP_FILES})
+                         {name: file_sha256(folder / name) for name in SETUP_FILES}, json.loads(json.dumps(choice)))
     write_json(setup.to_dict(), folder / "setup.json")  # last: it makes the setup whole
     checked = live_speedups(confirmed)
     message(f"machine setup done in {t3 - t0:.0f} s: default method {default} (modelled "
             f"{methods[default]['speedup']:.2f}x AR" + (f"; live vs AR: {checked}" if checked else "")
-            + f"), static tree W{best.width} D{best.depth} V{best.size}")
+            + f"), static tree W{tree['width']} D{tree['depth']} V{tree['size']}")
     return setup
 
 

@@ -34,12 +34,12 @@ def cmd_adapt(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    def load_mode(mode):  # the pipeline in ``mode``, its attention dtype and compiling measured (choose_execution adapts)
-        return load_execution(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile=args.compile)
+    def load_mode(mode):  # the pipeline in ``mode``, its attention dtype measured (choose_execution compiles, adapts)
+        return load_execution(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile="off")
 
     candidates = execution_candidates(args.model, "cpu", args.dtype, args.weights)
     p = choose_execution(load_mode, candidates, args.model, args.draft, "cpu", args.max_seq_len, cfg,
-                         force=args.force, progress=progress)
+                         force=args.force, progress=progress, compile=args.compile)
     setup = p.machine
     if setup is None:
         raise ValueError("adapting needs a draft head (--draft); with none the only method is ar")
@@ -50,5 +50,9 @@ def cmd_adapt(args) -> int:
     print(f"machine: {fp['cpu']} ({', '.join(fp['cpu_flags'])}); PyTorch kernels {fp['cpu_capability']}, oneDNN "
           f"{fp['onednn_max_isa']}; {fp['torch_threads']} torch threads; {p.execution} (attention in {fp.get('attention')})")
     print(f"setup: {setup.folder} (made {setup.created} in {setup.took_s.get('total', 0):.0f} s)")
+    probes = setup.execution_choice.get("probes") or {}
+    if probes:
+        print("execution mode chosen by a short probe of each (best method, modelled tok/s): " + ", ".join(
+            f"{mode} {v['method']} {v['tokens_per_s']:.1f}" for mode, v in probes.items()))
     print(setup.table())
     return 0
