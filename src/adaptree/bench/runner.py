@@ -225,7 +225,7 @@ def run_bench(cfg: BenchConfig, pipeline: PipelineLike, method_options: MethodOp
     (out / CONFIG).write_text(json.dumps(saved, indent=2))
     dropped: dict[str, str] = {}
     rows = bench_loop(cfg, arms, pipeline.encode, pipeline.tokenizer.decode, sets, max_len=pipeline.engine.max_len,
-                      dropped=dropped)
+                      dropped=dropped, running=lambda rs, what: print_running_table(rs, cfg, what))
     if dropped:  # `adaptree report` says it again
         (out / CONFIG).write_text(json.dumps({**saved, "dropped_arms": dropped}, indent=2))
     if cfg.oracle_latency:
@@ -235,6 +235,17 @@ def run_bench(cfg: BenchConfig, pipeline: PipelineLike, method_options: MethodOp
     write_report(summary, out)
     print(f"wrote {out / RESULTS}, {out / SUMMARY} and {out / 'report.md'} (+ plots)")
     return summary
+
+
+def print_running_table(rows: list[dict], cfg: BenchConfig, what: str) -> None:
+    """The table of the records so far (``what`` they cover), printed while the bench goes on (the full table, with
+    every prompt and the settings, comes at the end)."""
+    from adaptree.bench.report import HEADER, summarize, table_rows
+    from adaptree.offline.runs import format_table
+
+    with tqdm.external_write_mode():  # the progress bar steps aside, then comes back below
+        print(f"\nrunning table after {what}; the full table comes at the end:")
+        print(format_table(HEADER, table_rows(summarize(rows, cfg)), left=2), flush=True)
 
 
 def run_oracle(cfg: BenchConfig, pipeline: PipelineLike, out: Path, sets,
@@ -321,11 +332,16 @@ def _row(ds: str, pid: str, turn: int, method: str, rep: int, ids: list[int], re
 
 
 def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max_len: int,
-               dropped: dict[str, str] | None = None) -> list[dict]:
+               dropped: dict[str, str] | None = None,
+               running: Callable[[list[dict], str], None] | None = None) -> list[dict]:
     """Run every (prompt, repeat) through every arm, interleaved per prompt in an order rotated from one
     prompt to the next; append each record as it finishes. ``encode(messages) -> ids`` renders a
     conversation; ``decode(ids) -> str`` gives an answer back for the next turn. Returns the records of this
     configuration (old ones included on resume).
+
+    ``running(records, what)``, when given, is called with the records so far once every arm has run the first
+    prompt and again after each dataset but the last (``what`` says which), when this run measured something new:
+    where the bench's running table comes from (:func:`run_bench`).
 
     Reference arms' workers (:mod:`adaptree.bench.isolation`) start together before the first generation and are
     closed at the end. An arm that fails (:class:`~adaptree.bench.isolation.ArmFailed`: its worker died, or it
@@ -422,11 +438,24 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
                                            to_text=lambda r: decode(r.get("token_ids", [])))
                     except ArmFailed as e:  # the turns it answered are kept
                         drop(m, str(e))
+                what = _checkpoint(jobs, j)
+                if running is not None and what and bar.n > todo - remaining:
+                    running([done[k] for k in wanted], what)
         bar.close()
     finally:
         for w in workers:
             w.close()
     return [done[k] for k in wanted]
+
+
+def _checkpoint(jobs: list[tuple], j: int) -> str | None:
+    """What the records reach after job ``j`` (a prompt of a dataset, every arm) when a running table is due
+    there: the first prompt, or a dataset's last one when another dataset follows; else None."""
+    if j + 1 < len(jobs) and jobs[j + 1][0] != jobs[j][0]:
+        return f"{', '.join(dict.fromkeys(d for d, _, _ in jobs[:j + 1]))} ({j + 1} of {len(jobs)} prompts)"
+    if j == 0 and len(jobs) > 1:
+        return f"the first prompt of every arm (1 of {len(jobs)} prompts)"
+    return None
 
 
 def _where(cfg: BenchConfig, ds: str, prompt_id: str, turn: int, rep: int) -> str:
