@@ -7,7 +7,8 @@ processes (:mod:`adaptree.bench.isolation`): one that crashes is dropped with on
 the other arms, the records and the summary go on. Multi-turn prompts (MT-bench) follow the
 MT-bench protocol: each method's second turn sees that method's own first answer. Per-run records are
 appended to ``results.jsonl`` as they finish (a rerun with the same folder resumes and never duplicates
-or loses a record); ``summary.json``, ``report.md``, PNG plots and a printed table come at the end
+or loses a record); a running table of the records so far is printed after the first prompt of every arm and
+after each dataset; ``summary.json``, ``report.md``, PNG plots and the full table come at the end
 (:mod:`adaptree.bench.report`). The metrics are defined in docs/benchmarking.md.
 """
 
