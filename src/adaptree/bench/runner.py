@@ -59,7 +59,8 @@ the arm (:mod:`adaptree.bench.isolation`). Every one runs in a worker; a name ad
 MAIN_JOB_METHODS = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar")
 """``adaptree bench`` with no ``--methods``: AR, EAGLE-3's static tree, the static tree chosen for this machine, the
 training-free cost-aware rule and DEAGLE, and the shipped LTD and RADAR policies (plus this machine's default method
-when it is none of them; about 10 minutes on 2 cores with the default limit, after the machine setup)."""
+when it is none of them). With the default limit, machine setup included, a first run fits in 10 minutes on 2
+cores (docs/benchmarking.md)."""
 
 
 @dataclass
@@ -76,8 +77,9 @@ class BenchConfig:
     solutions)."""
     question_file: str | None = None
     """An EAGLE-format question.jsonl benchmarked as one more dataset."""
-    limit: int = positive(3)
-    """Prompts per dataset (the first ``limit`` of each)."""
+    limit: int = positive(2)
+    """Prompts per dataset (the first ``limit`` of each; 2 keeps a first run from an empty cache within 10 minutes on
+    2 cores, where EAGLE-3's 60-node tree and DEAGLE's take over half the bench's time)."""
     turns: int | None = positive(None)
     """Turns per conversation (MT-bench has two); None = all of them, 1 = first turns only."""
     max_new_tokens: int = positive(128)
