@@ -13,7 +13,6 @@ temporary file of its own, and ``setup.json`` last, listing their sha256, which 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -239,9 +238,11 @@ def machine_assets(folder: Path, acceptance: Path | None) -> dict[str, str]:
 
 
 def file_sha256(path: Path) -> str | None:
-    """The sha256 of a (small) file; None when it cannot be read."""
+    """:func:`~adaptree.models.cache.sha256_file` of ``path``; None when it cannot be read."""
+    from adaptree.models.cache import sha256_file
+
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return sha256_file(path)
     except OSError:
         return None
 
