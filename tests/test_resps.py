@@ -97,9 +97,31 @@ def test_action_set_is_the_papers_177_valid_combinations():
     assert len(TINY) == 7 and (10, 3, 2) not in TINY and (4, 2, 2) not in TINY and (10, 3, 4) in TINY
 
 
+def test_tree_filter_reaches_the_small_trees_the_paper_filter_forbids():
+    # every TT a tree of width k and d levels has candidates for: k + (d-1)k^2 (the paper's k^(d-1) implies it)
+    assert check_actions([(1, 1, 10), (10, 1, 10)]) == [(1, 1, 10), (10, 1, 10)]
+    assert check_actions([(32, 3, 8), (80, 3, 8), (136, 3, 8)])[1] == (80, 3, 8)  # outside the paper's filter
+    tree = resps_actions((1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 2, 3, 4, 6, 8), (10,), filter="tree")
+    assert len(tree) == 46 and (1, 1, 10) in tree and (8, 1, 10) in tree and (16, 1, 10) not in tree
+    assert (64, 2, 10) in tree and (128, 2, 10) not in tree and (256, 3, 10) not in tree and (256, 4, 10) in tree
+    assert resps_actions((1, 4), (1, 2), (10,)) == [(1, 1, 10), (1, 2, 10), (4, 2, 10)]  # paper: TT <= 10^(d-1)
+    assert resps_actions(filter="paper") == resps_actions()
+    with pytest.raises(ValueError, match="action filter must be one of"):
+        resps_actions(filter="any")
+    from adaptree.methods.resps.train import ReSpSTrainConfig
+
+    cfg = ReSpSTrainConfig(totals=(1, 2, 4, 8, 16, 32, 64, 128, 256), depths=(1, 2, 3, 4, 6, 8), topks=(10,),
+                           action_filter="tree")
+    assert cfg.actions() == tree and cfg.trace_widths() == (10,) and cfg.trace_depth() == 8
+    with pytest.raises(ValueError, match="action_filter"):
+        ReSpSTrainConfig(action_filter="any")
+
+
 def test_bad_action_sets_name_the_entry():
-    with pytest.raises(ValueError, match=r"\(80, 3, 8\) violates TT <= k\^\(d-1\) = 64"):
-        check_actions([(32, 3, 8), (80, 3, 8)])
+    with pytest.raises(ValueError, match=r"\(137, 3, 8\) violates TT <= k \+ \(d-1\)k\^2 = 136"):
+        check_actions([(32, 3, 8), (137, 3, 8)])
+    with pytest.raises(ValueError, match=r"\(11, 1, 10\) violates TT <= k \+ \(d-1\)k\^2 = 10"):
+        check_actions([(1, 1, 10), (11, 1, 10)])
     with pytest.raises(ValueError, match=r"\(32, 3, 8\) appears more than once"):
         check_actions([(32, 3, 8), [32, 3, 8]])
     with pytest.raises(ValueError, match="at least 2 actions"):
@@ -301,7 +323,7 @@ def test_policy_files_load_strictly_and_errors_name_the_problem(models, tmp_path
     cfg = json.loads((tmp_path / "p" / "config.json").read_text())
     cfg["actions"][0] = [10, 2, 2]
     (tmp_path / "p" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"\(10, 2, 2\) violates TT <= k\^\(d-1\) = 2"):
+    with pytest.raises(ValueError, match=r"\(10, 2, 2\) violates TT <= k \+ \(d-1\)k\^2 = 6"):
         make_controller("resps", policy=str(tmp_path / "p"))
     # strict weights
     pol.save(tmp_path / "q")
@@ -737,3 +759,177 @@ def test_training_with_match_features(models, chain_traces, tmp_path):
     sim = simulate(c, val, LAT, measure_policy=False)
     assert sim.speedup == pytest.approx(s["resps"]["resps N=30"]["modelled_speedup"], rel=1e-9)
     assert sum(cy.chain for r in sim.runs for cy in r.cycles) > 0
+
+
+# ------------------------------------------------------------------------------------------------------- machine costs
+
+CHEAP = LatencyModel(draft=[0.001, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.001)
+"""Drafting and verification nearly free: large trees pay."""
+
+
+def costs_policy(ref) -> MLPPolicy:
+    """nearest_center_policy on a state that ends with the cost features, weighted so that they move the choice."""
+    pol = nearest_center_policy(ReSpSState(H, use_costs=True, reference_costs=ref))
+    with torch.no_grad():
+        pol.body[0].weight[0, -5:] = torch.tensor([0.3, 0.3, -0.3, 0.3, -0.3])
+    return pol
+
+
+def test_state_ends_with_the_machines_cost_features(models, traces, tmp_path):
+    from adaptree.offline.family import COST_FEATURES, cost_features
+
+    ref = cost_features(EXPENSIVE)
+    state = ReSpSState(H, use_costs=True, reference_costs=ref)
+    assert len(COST_FEATURES) == 5 and state.dim == 3 * H + 5 and ReSpSState.from_dict(state.to_dict()) == state
+    f = torch.randn(3 * H)
+    x = state(f, costs=cost_features(LAT))
+    assert torch.equal(x[:-5], ReSpSState(H)(f)) and torch.allclose(x[-5:], torch.tensor(cost_features(LAT)))
+    assert torch.allclose(state(f)[-5:], torch.tensor(ref))  # no latency model: the reference costs
+    assert state.costs_of(LAT) == cost_features(LAT, 10) != cost_features(CHEAP, 10)
+    both = ReSpSState(H, use_match=True, use_costs=True, reference_costs=ref)  # the match first, the costs last
+    y = both(f, [0.5, 0.25, 1.0], cost_features(CHEAP))
+    assert both.dim == 3 * H + 8 and y[-8:-5].tolist() == [0.5, 0.25, 1.0] and torch.equal(y[-5:], x.new_tensor(
+        cost_features(CHEAP)))
+    with pytest.raises(ValueError, match="--resps-latency PATH"):
+        ReSpSState(H, use_costs=True)(f)
+    with pytest.raises(ValueError, match="reference_costs needs 5 values"):
+        ReSpSState(H, use_costs=True, reference_costs=[1.0])
+    # the controller reads them from its latency model: the config's, or each machine the simulator replays
+    pol = costs_policy(ref)
+    pol.save(tmp_path / "p")
+    LAT.save(tmp_path / "lat.json")
+    c = make_controller("resps", policy=str(tmp_path / "p"), ar_fallback=False)
+    assert c.costs is None and c.state.use_costs
+    assert make_controller("resps", policy=str(tmp_path / "p"), latency=str(tmp_path / "lat.json")).costs == \
+           cost_features(LAT)
+    plans = {}
+    for name, lat in [("lat", LAT), ("cheap", CHEAP), ("expensive", EXPENSIVE)]:
+        sim = simulate(c, traces, lat, measure_policy=False)
+        assert c.costs == cost_features(lat)
+        plans[name] = [(cy.width, cy.depth, cy.size) for r in sim.runs for cy in r.cycles]
+    assert len({tuple(p) for p in plans.values()}) == 3  # the same traces, other machines: other trees
+    # lossless, and the replay is the live engine's, with a latency model's costs
+    target, head = models
+
+    def make():
+        m = ReSpSController(ReSpSConfig(interval=2, ar_fallback=False), policy=pol)
+        m.use_latency(CHEAP)
+        return m
+
+    lossless_replays(Engine(target, head), make, PROMPTS, traces, N_NEW)
+
+
+def test_old_policy_configs_load_and_run_unchanged(traces, tmp_path):
+    from pathlib import Path
+
+    import adaptree
+
+    shipped = Path(adaptree.__file__).parent / "heads" / "smollm2-135m" / "resps"
+    if (shipped / "config.json").exists():
+        old = MLPPolicy.load(shipped, kind="resps")
+        assert "use_costs" not in old.config.observation
+        c = ReSpSController(ReSpSConfig(), policy=old)
+        assert not c.state.use_costs and c.state.dim == old.config.obs_dim and len(c.actions) == 177
+    # a policy written before cost features (no use_costs / reference_costs) replays exactly as the same policy now
+    pol = nearest_center_policy()
+    obs = {k: v for k, v in ReSpSState(H).to_dict().items() if k not in ("use_costs", "reference_costs")}
+    legacy = MLPPolicy(MLPPolicyConfig("resps", 3 * H, [list(a) for a in TINY], [1], "tanh", obs))
+    legacy.load_state_dict(pol.state_dict())
+    legacy.save(tmp_path / "old")
+    assert "use_costs" not in json.loads((tmp_path / "old" / "config.json").read_text())["observation"]
+    c = make_controller("resps", policy=str(tmp_path / "old"), ar_fallback=False, interval=3)
+    a = simulate(c, traces, LAT, measure_policy=False)
+    assert c.costs is None  # given a latency model, it still sees no costs
+    b = simulate(ctl(pol, interval=3, ar_fallback=False), traces, LAT, measure_policy=False)
+    assert [(x.width, x.depth, x.size, x.accepted) for r in a.runs for x in r.cycles] == \
+           [(x.width, x.depth, x.size, x.accepted) for r in b.runs for x in r.cycles]
+
+
+def test_plan_env_observes_the_costs_of_each_generations_family_member(traces):
+    from adaptree.methods.resps.env import PlanEnv
+    from adaptree.offline.envs import SimSource
+    from adaptree.offline.family import LatencyFamily, cost_features
+
+    fam = LatencyFamily([LAT, EXPENSIVE], names=["lat", "expensive"])
+    state = ReSpSState(H, use_costs=True, reference_costs=fam.reference_costs())
+    env = PlanEnv(SimSource(traces[:3], LAT, family=fam), [(4, 2, 4), (2, 3, 4)], state.dim,
+                  lambda ctx, costs=None: state(ctx.features, costs=costs).numpy(), interval=3,
+                  costs_of=state.costs_of)
+    members = {tuple(np.float32(cost_features(m))): n for n, m in zip(fam.names, fam.bases)}
+    seen = []
+    obs, _ = env.reset(seed=0)
+    for _ in range(8):  # episodes (generations), each on a member drawn for it
+        seen.append(members[tuple(obs[-5:])])
+        assert obs[-5:].tolist() == np.float32(cost_features(env.latency)).tolist()  # the generation's own
+        done = False
+        while not done:
+            obs, r, done, _, _ = env.step(0)
+            if not done:
+                assert members[tuple(obs[-5:])] == seen[-1]
+        obs, _ = env.reset()
+    env.close()
+    assert set(seen) == {"lat", "expensive"}
+
+
+def test_family_training_exports_a_policy_that_sees_the_machine(train_traces, tmp_path):
+    import csv
+
+    from adaptree.methods.resps.train import SimValidator, split_prompts, train_resps
+    from adaptree.offline.envs import SimSource
+    from adaptree.offline.family import Member, write_index
+
+    index = write_index([Member("expensive", EXPENSIVE, False, "test"), Member("cheap", CHEAP, False, "test"),
+                         Member("held", LAT, True, "test")], tmp_path / "family")
+    cfg = tiny_config(tmp_path / "run", costs=True, family=(str(index),), spread=1.2, steps=128)
+    fam = cfg.latency_family(LAT)
+    assert fam.names == ["main", "expensive", "cheap"] and fam.validation == [0, 1, 2]  # the held-out one: never
+    tr, va = split_prompts([t.key for t in train_traces], cfg.val_fraction)
+    train, val = [t for t in train_traces if t.key in tr], [t for t in train_traces if t.key in va]
+    validator = SimValidator.of_family(val, fam)
+    with pytest.raises(ValueError, match="latency family"):
+        train_resps(cfg, SimSource(train, LAT), validator, hidden=H, progress=False)
+    s = train_resps(cfg, SimSource(train, LAT, family=fam), validator, hidden=H, progress=False)
+    c = make_controller("resps", policy=str(tmp_path / "run" / "policy"), ar_fallback=False)
+    assert c.state.use_costs and c.state.dim == 3 * H + 5 and c.state.reference_costs == fam.reference_costs()
+    row = s["resps"]["resps N=30"]
+    assert set(row["per_machine"]) == {"main", "expensive", "cheap"} and s["val_machines"] == fam.names
+    speedups = []
+    for name, lat in zip(fam.names, fam.bases):  # the export replays to each machine's number
+        speedups.append(simulate(c, val, lat, measure_policy=False).speedup)
+        assert speedups[-1] == pytest.approx(row["per_machine"][name], abs=1e-5)
+    assert row["modelled_speedup"] == pytest.approx(float(np.exp(np.mean(np.log(speedups)))), rel=1e-9)
+    base = s["baselines"]
+    assert "per_machine" in base["static W10 d8 V60"] and "oracle per cycle (action grid, main only)" in base
+    assert any(k.startswith("best fixed action") and k.endswith("(main only)") for k in base)
+    assert "first one (main) only" in s["baselines_note"]
+    assert "main only" in (tmp_path / "run" / "summary.md").read_text()
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "log.csv")) if r["val_metric"]]
+    assert rows and all(r["val_per_machine"].startswith("main=") for r in rows)
+    settings = json.loads((tmp_path / "run" / "settings.json").read_text())
+    assert settings["costs"] and settings["spread"] == 1.2 and settings["family"]["validation"] == fam.names
+    old = json.loads((tmp_path / "run" / "settings.json").read_text())
+    assert "action_filter" not in old  # at its default: folders of older runs stay resumable
+
+
+def test_an_existing_trace_folder_is_used_when_it_holds_what_the_actions_need(tmp_path):
+    from adaptree.cli import build_parser
+    from adaptree.methods.resps.train import ReSpSTrainConfig
+    from adaptree.methods.resps.workflow import trace_settings_for
+    from adaptree.offline.traces import TraceStore
+
+    fps = {"model": "m", "head": "h"}
+    TraceStore(tmp_path / "w10", fps, TraceSettings(widths=(10,), max_depth=12, max_new_tokens=192))
+    TraceStore(tmp_path / "short", fps, TraceSettings(widths=(4, 10), max_depth=4, feature_dtype="none"))
+    cpu = ReSpSTrainConfig(totals=(1, 2, 4, 8, 16, 32, 64, 128, 256), depths=(1, 2, 3, 4, 6, 8), topks=(10,),
+                           action_filter="tree")
+    assert trace_settings_for(cpu, tmp_path / "w10", "float32") == ((10,), 12, "float16")  # the folder's own
+    assert trace_settings_for(cpu, tmp_path / "new", "float32") == ((10,), 8, "float32")  # a new folder: the run's
+    with pytest.raises(ValueError, match=r"lacks .*widths \[8, 12, 16, 20, 32\] \(it has \[10\]\)"):
+        trace_settings_for(ReSpSTrainConfig(), tmp_path / "w10", "float16")
+    with pytest.raises(ValueError, match=r"depth 8 \(it has max_depth 4\); the target features"):
+        trace_settings_for(cpu, tmp_path / "short", "float16")
+    small = ReSpSTrainConfig(totals=(1, 4), depths=(1, 2), topks=(4, 10), action_filter="tree", state="embedding")
+    assert trace_settings_for(small, tmp_path / "short", "float16") == ((4, 10), 4, "none")  # no static baseline
+    args = build_parser().parse_args(["train", "resps", "--family", "standard,x.json", "--costs", "--spread", "1.5",
+                                      "--action-filter", "tree", "--totals", "1,2", "--depths", "1,2", "--topks", "10"])
+    assert (args.family, args.costs, args.spread, args.action_filter) == (("standard", "x.json"), True, 1.5, "tree")

@@ -4,7 +4,9 @@ features, and the choice is kept for N cycles (action caching).
 
 * Action set: TT in {32, 48, 64, 80, 96, 128}, d in 3..8, k in {8, 12, 16, 20, 32}, keeping only
   TT <= k^(d-1) (paper appendix A): 177 of the 180 combinations (k=8, d=3 allows TT <= 64 only).
-  :func:`resps_actions` enumerates them; a policy's ``actions`` are checked by :func:`check_actions`.
+  :func:`resps_actions` enumerates them (``filter="tree"`` keeps every TT the engine's tree of width k and d
+  levels has candidates for, TT <= k + (d-1)k^2: the 1..8-node trees and d = 1 that pay on a CPU); a policy's
+  ``actions`` are checked by :func:`check_actions`, which accepts any action of either filter.
 * Mapping onto the engine's :class:`~adaptree.core.controller.TreePlan`: width W = k (top-k per expansion
   and beam size), max_depth = d (draft forwards = tree levels), V = TT (draft nodes verified; the root is
   extra, as EAGLE's ``total_tokens``). EAGLE's code counts ``depth`` as the forwards *after* the first one
@@ -30,6 +32,11 @@ features, and the choice is kept for N cycles (action caching).
   :class:`~adaptree.methods.common.chain.ChainRule` (``chain_tokens`` adds it to other policies too). The chain,
   the latency model and the AR fallback are the learned methods' shared runtime
   (:mod:`adaptree.methods.common.runtime`).
+* Machine costs: with ``use_costs`` the state ends with the machine's cost features
+  (:func:`adaptree.offline.family.cost_features`: draft step, verification growth and overhead relative to one
+  autoregressive step), read from this machine's latency model at inference (``latency``, filled from the machine
+  setup) and from the family member of each generation in training; without a latency model the policy's
+  ``reference_costs`` (its training family's median) stand in.
 * Decisions: argmax at ``temperature`` 0; the max-entropy variant samples softmax(logits / 1.5) with the
   controller's own seeded generator (reset every generation; the token sampler's generator and torch's
   global RNG are never touched), so the output stays lossless either way — only the tree shape is random.
@@ -66,6 +73,11 @@ RESPS_DEPTHS = (3, 4, 5, 6, 7, 8)
 RESPS_TOPKS = (8, 12, 16, 20, 32)
 """k: top-k expansion factor (= beam width W)."""
 STATES = ("concat", "mean", "embedding")
+ACTION_FILTERS = ("paper", "tree")
+"""Which (TT, d, k) an action set keeps: paper = TT <= k^(d-1) (appendix A); tree = TT <= k + (d-1)k^2, the
+candidates of the engine's tree of width k and d levels (every paper action is one)."""
+COST_WIDTH = 10
+"""Beam width the draft step of the cost features is read at (Re-SpS's widths vary with the action)."""
 NORMALIZE = ("rms", "none")
 INTERVAL_INFERENCE = 30
 """The paper's cache interval N at inference (training uses 10)."""
@@ -74,23 +86,37 @@ INTERVAL_INFERENCE = 30
 # --------------------------------------------------------------------------------------------- actions
 
 
-def valid_action(tt: int, d: int, k: int) -> bool:
-    """Re-SpS's feasibility filter: TT <= k^(d-1)."""
-    return tt <= k ** (d - 1)
+def tree_candidates(d: int, k: int) -> int:
+    """Candidates of the engine's tree of width k and d levels: k + (d-1)k^2 (the most nodes V can take)."""
+    return k + (d - 1) * k * k
+
+
+def valid_action(tt: int, d: int, k: int, filter: str = "paper") -> bool:
+    """Whether (TT, d, k) passes ``filter`` (:data:`ACTION_FILTERS`): paper = Re-SpS's TT <= k^(d-1); tree =
+    TT <= k + (d-1)k^2 (:func:`tree_candidates`)."""
+    if filter == "paper":
+        return tt <= k ** (d - 1)
+    if filter == "tree":
+        return tt <= tree_candidates(d, k)
+    raise ValueError(f"action filter must be one of {ACTION_FILTERS}, got {filter!r}")
 
 
 def resps_actions(totals: Iterable[int] = RESPS_TOTALS, depths: Iterable[int] = RESPS_DEPTHS,
-                  topks: Iterable[int] = RESPS_TOPKS) -> list[tuple[int, int, int]]:
-    """Every valid (TT, d, k), in (TT, d, k) order: 177 with the paper's sets."""
-    out = [(int(t), int(d), int(k)) for t, d, k in itertools.product(totals, depths, topks) if valid_action(t, d, k)]
+                  topks: Iterable[int] = RESPS_TOPKS, filter: str = "paper") -> list[tuple[int, int, int]]:
+    """Every (TT, d, k) that passes ``filter`` (:func:`valid_action`), in (TT, d, k) order: 177 with the paper's
+    sets and filter."""
+    if filter not in ACTION_FILTERS:
+        raise ValueError(f"action filter must be one of {ACTION_FILTERS}, got {filter!r}")
+    out = [(int(t), int(d), int(k)) for t, d, k in itertools.product(totals, depths, topks)
+           if valid_action(int(t), int(d), int(k), filter)]
     check_actions(out)
     return out
 
 
 def check_actions(actions: Sequence) -> list[tuple[int, int, int]]:
     """Validate an action set: at least 2 distinct (TT, d, k) triples of integers with TT >= 1,
-    d in 1..MAX_DEPTH, k in 1..MAX_WIDTH and TT <= k^(d-1). Returns them as int tuples; a ValueError
-    names the first bad entry."""
+    d in 1..MAX_DEPTH, k in 1..MAX_WIDTH and TT <= k + (d-1)k^2 (the tree has that many candidates: the paper's
+    TT <= k^(d-1) implies it). Returns them as int tuples; a ValueError names the first bad entry."""
     out: list[tuple[int, int, int]] = []
     for i, a in enumerate(actions):
         try:
@@ -105,8 +131,10 @@ def check_actions(actions: Sequence) -> list[tuple[int, int, int]]:
             raise ValueError(f"Re-SpS action {i} {(tt, d, k)}: d must be in 1..{MAX_DEPTH}, got {d}")
         if not 1 <= k <= MAX_WIDTH:
             raise ValueError(f"Re-SpS action {i} {(tt, d, k)}: k must be in 1..{MAX_WIDTH}, got {k}")
-        if not valid_action(tt, d, k):
-            raise ValueError(f"Re-SpS action {i} {(tt, d, k)} violates TT <= k^(d-1) = {k ** (d - 1)}")
+        if not valid_action(tt, d, k, "tree"):
+            n = tree_candidates(d, k)
+            raise ValueError(f"Re-SpS action {i} {(tt, d, k)} violates TT <= k + (d-1)k^2 = {n} (the candidates of "
+                             f"a tree of width k and d levels)")
         out.append((tt, d, k))
     if len(out) < 2:
         raise ValueError(f"a Re-SpS action set needs at least 2 actions, got {len(out)}")
@@ -152,8 +180,15 @@ class ReSpSState:
     """embedding only: encoder tokens kept (the end of the context)."""
     use_match: bool = False
     """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES)."""
+    use_costs: bool = False
+    """Append the machine's cost features (adaptree.offline.family.COST_FEATURES), after the match features."""
+    reference_costs: list[float] | None = None
+    """The cost features assumed when no latency model is given (the training family's median)."""
 
     def __post_init__(self) -> None:
+        from adaptree.offline.family import check_costs
+
+        self.reference_costs = check_costs(self.reference_costs)
         if int(self.hidden) < 1:
             raise ValueError(f"hidden (H) must be >= 1, got {self.hidden}")
         self.hidden = int(self.hidden)
@@ -168,15 +203,27 @@ class ReSpSState:
 
     @property
     def dim(self) -> int:
-        extra = len(MATCH_FEATURES) if self.use_match else 0
+        from adaptree.offline.family import COST_FEATURES
+
+        extra = (len(MATCH_FEATURES) if self.use_match else 0) + (len(COST_FEATURES) if self.use_costs else 0)
         if self.state == "embedding":
             return self.encoder_dim + extra
         return (3 * self.hidden if self.state == "concat" else self.hidden) + extra
 
-    def _with_match(self, x: torch.Tensor, match: list[float] | None) -> torch.Tensor:
-        if not self.use_match:
-            return x
-        return torch.cat([x, torch.tensor(match_values(match, "Re-SpS"), dtype=torch.float32)])
+    def costs_of(self, latency) -> list[float] | None:
+        """The cost features of ``latency`` for this state (None when it does not use them)."""
+        from adaptree.offline.family import cost_features
+
+        return cost_features(latency, COST_WIDTH) if self.use_costs else None
+
+    def _with_extras(self, x: torch.Tensor, match: list[float] | None, costs: list[float] | None) -> torch.Tensor:
+        """``x`` followed by the match features and the cost features, for a state that uses them."""
+        tail = match_values(match, "Re-SpS") if self.use_match else []
+        if self.use_costs:
+            from adaptree.offline.family import costs_or_reference
+
+            tail += list(costs_or_reference(costs, self.reference_costs, "resps"))
+        return torch.cat([x, torch.tensor(tail, dtype=torch.float32)]) if tail else x
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,9 +232,11 @@ class ReSpSState:
     def from_dict(cls, d: dict) -> "ReSpSState":
         return cls(**d)
 
-    def __call__(self, features: torch.Tensor | None, match: list[float] | None = None) -> torch.Tensor:
+    def __call__(self, features: torch.Tensor | None, match: list[float] | None = None,
+                 costs: list[float] | None = None) -> torch.Tensor:
         """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]`` (and the match
-        features, for a state that uses them)."""
+        features and the machine's cost features, for a state that uses them: :meth:`costs_of`; None = the
+        reference costs)."""
         if self.state == "embedding":
             raise ValueError("the 'embedding' state is built from the context text: use ReSpSState.observer")
         if features is None:
@@ -202,15 +251,16 @@ class ReSpSState:
         g = f.view(3, self.hidden)
         if self.normalize == "rms":
             g = g * torch.rsqrt(g.square().mean(dim=1, keepdim=True) + self.eps)
-        return self._with_match(g.reshape(-1) if self.state == "concat" else g.mean(dim=0), match)
+        return self._with_extras(g.reshape(-1) if self.state == "concat" else g.mean(dim=0), match, costs)
 
     def observer(self, tokenizer=None) -> Callable[..., torch.Tensor]:
-        """``(ctx, match=None) -> [dim]``: the function the controller (inference) and the environments (training)
-        share. Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
+        """``(ctx, match=None, costs=None) -> [dim]``: the function the controller (inference) and the environments
+        (training) share. Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
         ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it; ``match``:
-        the cycle's match features (:meth:`~adaptree.methods.common.chain.ChainRule.features`)."""
+        the cycle's match features (:meth:`~adaptree.methods.common.chain.ChainRule.features`); ``costs``: the
+        machine's (:meth:`costs_of`)."""
         if self.state != "embedding":
-            return lambda ctx, match=None: self(ctx.features, match)
+            return lambda ctx, match=None, costs=None: self(ctx.features, match, costs)
         if tokenizer is None:
             raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
                              "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
@@ -221,8 +271,10 @@ class ReSpSState:
             raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
                              f"{self.encoder_dim}")
 
-        def observe(ctx: CycleContext, match: list[float] | None = None) -> torch.Tensor:
-            return self._with_match(enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids))), match)
+        def observe(ctx: CycleContext, match: list[float] | None = None,
+                    costs: list[float] | None = None) -> torch.Tensor:
+            return self._with_extras(enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids))), match,
+                                     costs)
 
         return observe
 
@@ -307,8 +359,14 @@ class ReSpSController(LearnedSeam, Controller):
         """How often each action index was chosen (over every generation this controller ran)."""
         cheapest = min(self.plans, key=lambda p: (p.size, p.width))
         self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
+        self.costs: list[float] | None = None
+        """This machine's cost features, for a state that uses them (None: the policy's reference costs)."""
         self.load_latency(cfg)
         self.reset()
+
+    def use_latency(self, latency) -> None:
+        self.costs = self.state.costs_of(latency)
+        super().use_latency(latency)
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)
@@ -323,7 +381,8 @@ class ReSpSController(LearnedSeam, Controller):
         if self.ar_step(ctx):
             return AR_PLAN.with_chain(chain)
         if self.left <= 0 or self.plan is None:  # the match features only where the policy decides
-            a = self.policy.act(self.observe(ctx, self.match_features(self.observes)), self.temperature, self.gen)
+            obs = self.observe(ctx, self.match_features(self.observes), self.costs)
+            a = self.policy.act(obs, self.temperature, self.gen)
             self.plan = self.plans[a]
             self.left = self.config.interval
             self.decisions.append((ctx.cycle, a))

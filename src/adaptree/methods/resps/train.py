@@ -26,6 +26,13 @@ run folder). ``OUT/summary.json`` + ``OUT/summary.md``: the validation table —
 best single (TT, d, k) of the action set and the per-cycle oracle over the action grid (simulator
 validation), or AR / static / Re-SpS tokens/s (live validation). ``OUT/log.csv``: one row per rollout.
 
+Machines: with ``costs`` the state ends with the cost features of the latency model
+(:mod:`adaptree.offline.family`); with ``family``/``spread`` every generation of the simulator runs on a member of a
+:class:`~adaptree.offline.family.LatencyFamily` drawn for it (rewards are speedups over that member's AR step, the
+state's costs are that member's), and validation is the geometric mean of the modelled speedups over the family's
+validation members (each member's in ``log.csv`` and the summary); the summary's best fixed action and per-cycle
+oracle are then computed on the first validation member only (they cost a grid search each).
+
 Resumable: a checkpoint (actor-critic weights, Adam state, timesteps, best so far) is written every
 ``checkpoint_every`` rollouts and when ``time_budget_s`` runs out; the same command continues from it (a
 run whose settings differ is refused). A finished run (``result.json``) only rebuilds the summary, unless
@@ -44,12 +51,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from adaptree.core.config import at_least, between, bounded, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
 from adaptree.methods.common import ChainRule
 from adaptree.methods.resps.controller import (
+    ACTION_FILTERS,
     INTERVAL_INFERENCE,
     NORMALIZE,
     RESPS_DEPTHS,
@@ -93,6 +102,9 @@ class ReSpSTrainConfig:
     """d values of the action set."""
     topks: tuple[int, ...] = RESPS_TOPKS
     """k values of the action set (every one must be recorded in the traces for the simulator)."""
+    action_filter: str = choice(ACTION_FILTERS, "paper")
+    """Which (TT, d, k) combinations the action set keeps: paper = TT <= k^(d-1) (the paper's 177 with its sets);
+    tree = TT <= k + (d-1)k^2, every TT the engine's tree has candidates for (d = 1 and 1..8-node trees)."""
     state: str = choice(STATES, "concat")
     """concat (the paper: [3H]), mean (the public code: the three groups averaged, [H]) or embedding (the
     paper's ablation: a sentence embedding of the context text; training then needs the tokenizer)."""
@@ -140,6 +152,16 @@ class ReSpSTrainConfig:
     chain calibration is fitted on the training prompts' traces)."""
     chain_tokens: int = positive(16, integer=True)
     """With ``match``: the longest context chain per cycle."""
+    costs: bool = False
+    """The policy sees the machine's cost features (adaptree.offline.family), after the features (and the match)."""
+    family: tuple[str, ...] = ()
+    """More latency models to train over, next to the main one: JSON files, or a family index (``standard``: the
+    shipped one, adaptree.offline.family; its held-out members are never trained on). Each generation runs on a
+    member drawn at random (perturbed by ``spread``); validation is the geometric mean over the given files, or over
+    the index's validation members."""
+    spread: float = at_least(1.0, 1.0)
+    """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
+    drawn log-uniformly from [1/spread, spread] (1 = none)."""
     inference_temperature: float | None = at_least(0.0, None)
     """Temperature of the action at validation and inference; None = 0 (argmax) or 1.5 (max_entropy)."""
     val_fraction: float = between(0.0, 1.0, 0.25, lo_open=True, hi_open=True)
@@ -157,8 +179,9 @@ class ReSpSTrainConfig:
     def __post_init__(self) -> None:
         for name in ("totals", "depths", "topks", "pi", "vf"):
             setattr(self, name, tuple(int(x) for x in getattr(self, name)))
-        resps_actions(self.totals, self.depths, self.topks)  # >= 2 valid actions, ranges checked
+        self.family = tuple(str(f) for f in self.family)
         check_fields(self)
+        self.actions()  # >= 2 valid actions, ranges checked
         if (self.n_steps * self.n_envs) % self.batch_size:
             raise ValueError(f"n_steps x n_envs ({self.n_steps} x {self.n_envs}) must be a multiple of batch_size "
                              f"({self.batch_size})")
@@ -168,7 +191,7 @@ class ReSpSTrainConfig:
             self.inference_temperature = 1.5 if self.max_entropy else 0.0
 
     def actions(self) -> list[tuple[int, int, int]]:
-        return resps_actions(self.totals, self.depths, self.topks)
+        return resps_actions(self.totals, self.depths, self.topks, self.action_filter)
 
     def trace_widths(self) -> tuple[int, ...]:
         """Widths the simulator needs: every k, plus EAGLE-3's W=10 for the static baseline."""
@@ -177,17 +200,32 @@ class ReSpSTrainConfig:
     def trace_depth(self) -> int:
         return max(max(self.depths), STATIC_DEFAULT[1])
 
-    def state_spec(self, hidden: int) -> ReSpSState:
+    def latency_family(self, latency):
+        """The family trained over (None: the one ``latency``): ``latency`` first, then every entry of ``family``
+        (a latency model file, or a family index whose members not held out are taken)."""
+        from adaptree.offline.family import LatencyFamily, load_members
+
+        if not self.family and self.spread == 1.0:
+            return None
+        if latency is None:
+            raise ValueError("--family/--spread train over latency models next to the main one: pass --latency FILE")
+        models, names, val = load_members(self.family)
+        return LatencyFamily([latency, *models], self.spread, ["main", *names],
+                             None if val is None else [0, *(i + 1 for i in val)])
+
+    def state_spec(self, hidden: int, reference_costs: list[float] | None = None) -> ReSpSState:
+        """The policy's state; with ``costs``, ``reference_costs`` are what it assumes without a latency model."""
+        machine = dict(use_costs=self.costs, reference_costs=reference_costs if self.costs else None)
         if self.state == "embedding":
             from adaptree.models.sentence import shared_encoder
 
             dim = shared_encoder(self.encoder).dim
             return ReSpSState(hidden, self.state, self.normalize, encoder=self.encoder, encoder_dim=dim,
-                              use_match=self.match)
-        return ReSpSState(hidden, self.state, self.normalize, use_match=self.match)
+                              use_match=self.match, **machine)
+        return ReSpSState(hidden, self.state, self.normalize, use_match=self.match, **machine)
 
-    def policy_config(self, hidden: int) -> MLPPolicyConfig:
-        spec = self.state_spec(hidden)
+    def policy_config(self, hidden: int, reference_costs: list[float] | None = None) -> MLPPolicyConfig:
+        spec = self.state_spec(hidden, reference_costs)
         return MLPPolicyConfig("resps", spec.dim, [list(a) for a in self.actions()], list(self.pi), "tanh",
                                spec.to_dict())
 
@@ -216,22 +254,39 @@ def _unique(ctl) -> dict:
 
 
 class SimValidator:
-    """Validation on held-out prompts' traces in the simulator: the modelled speedup vs AR (policy time apart)."""
+    """Validation on held-out prompts' traces in the simulator: the modelled speedup vs AR (policy time apart).
+
+    ``latency`` may be a list of latency models (a family's validation members, named by ``names``): the speedup is
+    then the geometric mean over them (``per_machine``: each member's), tau, depth and V their means.
+    """
 
     metric = "modelled_speedup"
 
-    def __init__(self, traces: list, latency) -> None:
+    def __init__(self, traces: list, latency, names: list[str] | None = None) -> None:
         if not traces:
             raise ValueError("simulator validation needs at least one held-out trace")
         if latency is None:
             raise ValueError("simulator validation needs a latency model (--latency)")
         self.traces, self.latency = traces, latency
+        self.models = list(latency) if isinstance(latency, (list, tuple)) else [latency]
+        if not self.models:
+            raise ValueError("simulator validation needs at least one latency model")
+        self.names = list(names) if names is not None else [f"machine{i}" for i in range(len(self.models))]
+        if len(self.names) != len(self.models):
+            raise ValueError(f"{len(self.names)} names for {len(self.models)} latency models")
         self.keys = [t.key for t in traces]
 
-    def __call__(self, controller, measure_policy: bool = False) -> dict:
+    @classmethod
+    def of_family(cls, traces: list, family) -> "SimValidator":
+        """Validation over ``family``'s validation members
+        (:attr:`~adaptree.offline.family.LatencyFamily.validation`)."""
+        idx = family.validation if family.validation is not None else range(len(family.bases))
+        return cls(traces, [family.bases[i] for i in idx], [family.names[i] for i in idx])
+
+    def _one(self, controller, latency, measure_policy: bool) -> dict:
         from adaptree.offline.simulator import simulate
 
-        res = simulate(controller, self.traces, self.latency, measure_policy=measure_policy)
+        res = simulate(controller, self.traces, latency, measure_policy=measure_policy)
         s = res.summary()
         out = {k: s[k] for k in ("modelled_speedup", "tau", "mean_depth", "mean_size", "cycles")}
         if measure_policy:  # modelled_s then includes the measured policy time: report both, apart
@@ -240,27 +295,47 @@ class SimValidator:
             out["policy_s"] = s["policy_s"]
             out["policy_overhead_pct"] = 100.0 * s["policy_s"] / s["modelled_s"] if s["modelled_s"] > 0 else 0.0
             out["speedup_with_policy_time"] = s["modelled_speedup"]
+        return out
+
+    def __call__(self, controller, measure_policy: bool = False) -> dict:
+        rows = [self._one(controller, m, measure_policy) for m in self.models]
+        if len(rows) == 1:
+            return {**rows[0], **_unique(controller)}
+        out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        for k in ("modelled_speedup", "speedup_with_policy_time"):
+            if k in out:
+                out[k] = _geomean([r[k] for r in rows])
+        out["cycles"] = int(sum(r["cycles"] for r in rows))
+        out["per_machine"] = {n: round(r["modelled_speedup"], 5) for n, r in zip(self.names, rows)}
         return {**out, **_unique(controller)}
 
     def baselines(self, cfg: ReSpSTrainConfig) -> dict:
-        """Static EAGLE-3, the best single action of the action set, the per-cycle oracle over the action grid."""
+        """Static EAGLE-3 (on every validation machine), the best single action of the action set and the per-cycle
+        oracle over the action grid (on the first validation machine only, when there are several: say so)."""
         from adaptree.offline.oracle import best_static, oracle_all
 
         out: dict = {}
         w, d, v = STATIC_DEFAULT
         if all(w in t.widths and t.max_depth >= d for t in self.traces):
             out[f"static W{w} d{d} V{v}"] = self(StaticController(StaticConfig(w, d, v)))
+        first = self if len(self.models) == 1 else SimValidator(self.traces, self.models[0], self.names[:1])
+        where = "" if first is self else f", {self.names[0]} only"
         valid = set(cfg.actions())
-        st = best_static(self.traces, self.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals)
+        st = best_static(self.traces, first.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals)
         rows = [r for r in st.grid if (r["size"], r["depth"], r["width"]) in valid]
         best = min(rows, key=lambda r: r["total_s"])
         tt, dd, k = best["size"], best["depth"], best["width"]
-        out[f"best fixed action TT{tt} d{dd} k{k}"] = self(StaticController(StaticConfig(k, dd, tt)))
-        orc = oracle_all(self.traces, self.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals,
+        name = f"best fixed action TT{tt} d{dd} k{k}" + (f" ({where[2:]})" if where else "")
+        out[name] = first(StaticController(StaticConfig(k, dd, tt)))
+        orc = oracle_all(self.traces, first.latency, widths=cfg.topks, depths=cfg.depths, sizes=cfg.totals,
                          allow_ar=False).summary()
-        out["oracle per cycle (action grid)"] = {k: orc[k] for k in ("modelled_speedup", "tau", "mean_depth",
-                                                                     "mean_size", "cycles")}
+        out[f"oracle per cycle (action grid{where})"] = {k: orc[k] for k in ("modelled_speedup", "tau", "mean_depth",
+                                                                             "mean_size", "cycles")}
         return out
+
+
+def _geomean(values) -> float:
+    return float(np.exp(np.mean(np.log([max(float(x), 1e-9) for x in values]))))
 
 
 class LiveValidator:
@@ -272,7 +347,7 @@ class LiveValidator:
 
     metric = "tokens_per_s"
 
-    def __init__(self, engine, prompts: list[tuple[str, list[int]]], max_new_tokens: int) -> None:
+    def __init__(self, engine, prompts: list[tuple[str, list[int]]], max_new_tokens: int, latency=None) -> None:
         from adaptree.core.engine import Engine
 
         if not prompts:
@@ -282,9 +357,14 @@ class LiveValidator:
         self.keys = [k for k, _ in prompts]
         self.prompts = [ids for _, ids in prompts]
         self.max_new_tokens = max_new_tokens
+        self.latency = latency
+        """This machine's latency model, handed to the validated controllers (a state that sees the machine's costs
+        reads them from it); None: none is handed (such a state uses its reference costs)."""
         self.engine.generate(self.prompts[0], StaticController(), max_new_tokens=8)  # warm-up, untimed
 
     def __call__(self, controller, measure_policy: bool = True) -> dict:
+        if self.latency is not None and hasattr(controller, "state"):
+            controller.use_latency(self.latency)
         runs = [self.engine.generate(ids, controller, max_new_tokens=self.max_new_tokens) for ids in self.prompts]
         cyc = [c for r in runs for c in r.cycles]
         n = max(1, len(cyc))
@@ -324,17 +404,37 @@ def load_checkpoint(model, folder: Path) -> dict:
 # ---------------------------------------------------------------------------------------------- training
 
 
+MACHINE_FIELDS = {"action_filter": "paper", "costs": False, "family": (), "spread": 1.0}
+"""Fields a run folder is pinned to only when they are not at these defaults (older run folders lack them)."""
+
+
 def _settings(cfg: ReSpSTrainConfig, extra: dict) -> dict:
-    return settings_of(cfg, skip=("out", "threads", "eval_every", "checkpoint_every", "time_budget_s", "steps"),
-                       extra=extra)
+    skip = ["out", "threads", "eval_every", "checkpoint_every", "time_budget_s", "steps"]
+    skip += [k for k, v in MACHINE_FIELDS.items() if getattr(cfg, k) == v]
+    return settings_of(cfg, skip=skip, extra=extra)
 
 
 LOG_FIELDS = ["timesteps", "rollouts", "seconds", "train_reward", "entropy", "approx_kl", "val_metric", "val_tau",
-              "val_depth", "val_size", "val_unique_actions"]
+              "val_depth", "val_size", "val_unique_actions", "val_per_machine"]
+
+
+def reference_costs(cfg: ReSpSTrainConfig, family, latency) -> list[float] | None:
+    """The cost features a ``costs`` policy assumes without a latency model: the family's median, else those of the
+    main ``latency``; None without ``costs``."""
+    if not cfg.costs:
+        return None
+    if family is not None:
+        return family.reference_costs()
+    if latency is None:
+        raise ValueError("a Re-SpS policy with --costs needs a latency model to read the machine's costs from: pass "
+                         "--latency FILE")
+    from adaptree.methods.resps.controller import ReSpSState
+
+    return ReSpSState(1, use_costs=True).costs_of(latency)
 
 
 def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress: bool = True,
-                facts: dict | None = None, tokenizer=None, chain_calibration=None) -> TrainingResult:
+                facts: dict | None = None, tokenizer=None, chain_calibration=None, family=None) -> TrainingResult:
     """Train (or continue) the Re-SpS policy with PPO on ``source``; validate, export, summarise.
 
     :param source: a :class:`~adaptree.offline.envs.SimSource` (training traces + latency model) or a
@@ -345,6 +445,8 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     :param tokenizer: the target's tokenizer (the embedding state decodes the context with it).
     :param chain_calibration: with ``cfg.match``: the :class:`~adaptree.methods.common.ChainCalibration` of the
         training prompts (saved as ``OUT/chain.json``).
+    :param family: the :class:`~adaptree.offline.family.LatencyFamily` trained over (default: the source's); with
+        ``cfg.costs`` its median costs are the policy's reference costs (else the source's latency model's).
     :returns: the summary (also written to ``OUT/summary.json``); ``summary["interrupted"]`` is True when
         the time budget ran out first (rerun to continue).
     """
@@ -352,15 +454,25 @@ def train_resps(cfg: ReSpSTrainConfig, source, validator, hidden: int, progress:
     out.mkdir(parents=True, exist_ok=True)
     facts = dict(facts or {})
     live = not isinstance(source, SimSource)
+    family = family if family is not None else getattr(source, "family", None)
+    if (cfg.family or cfg.spread != 1.0) and family is None and not live:
+        raise ValueError("this run trains over a latency family (--family/--spread): give the source one "
+                         "(SimSource(..., family=cfg.latency_family(latency)))")
+    main = getattr(source, "latency", None)
+    reference = reference_costs(cfg, family, main if main is not None else getattr(validator, "latency", None))
+    extra = {"family": family.describe()} if family is not None else {}
+    if getattr(validator, "names", None) and len(validator.names) > 1:
+        extra["val_machines"] = validator.names
     settings = _settings(cfg, {"hidden": hidden, "source": "live" if live else "simulator",
-                               "validation": type(validator).__name__, "val_prompts": validator.keys, **facts})
+                               "validation": type(validator).__name__, "val_prompts": validator.keys, **extra,
+                               **facts})
     pin_settings(out, settings, "a Re-SpS run")
     _save_chain(cfg, chain_calibration, out)
     t_start = time.perf_counter()
     result = _finished(cfg, out)
     if result is None:  # train, or go on training (a larger --steps continues a finished run)
         run = _PPORun(cfg, out, source, validator, hidden, 1 if live else cfg.n_envs, tokenizer, chain_calibration,
-                      progress)
+                      progress, reference)
         if not run.learn():
             return run.interruption()
         result = run.result()
@@ -393,20 +505,22 @@ def _finished(cfg: ReSpSTrainConfig, out: Path) -> dict | None:
 
 def _envs(cfg: ReSpSTrainConfig, source, spec: ReSpSState, n_envs: int, seed0: int, tokenizer, chain_calibration):
     """``n_envs`` :class:`PlanEnv` environments on ``source`` (seeds ``seed0``, ``seed0 + 1``, ...), observing as
-    the inference controller does; with ``match``, each with a chain rule of its own (it has state)."""
+    the inference controller does; with ``match``, each with a chain rule of its own (it has state); with ``costs``,
+    each generation's state ends with the cost features of the latency model it runs on."""
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     plans = [(k, d, tt) for tt, d, k in cfg.actions()]
     observer = spec.observer(tokenizer)
 
-    def observe(ctx, match=None):
-        return observer(ctx, match).numpy()
+    def observe(ctx, match=None, costs=None):
+        return observer(ctx, match, costs).numpy()
 
     def chain_rule():
         return ChainRule(chain_calibration, cfg.chain_tokens) if cfg.match else None
 
+    costs_of = spec.costs_of if spec.use_costs else None
     return DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
-                                            reward=cfg.reward, seed=seed0 + i, chain=chain_rule())
+                                            reward=cfg.reward, seed=seed0 + i, chain=chain_rule(), costs_of=costs_of)
                         for i in range(n_envs)])
 
 
@@ -431,11 +545,11 @@ class _PPORun:
     """
 
     def __init__(self, cfg: ReSpSTrainConfig, out: Path, source, validator, hidden: int, n_envs: int, tokenizer,
-                 chain_calibration, progress: bool) -> None:
+                 chain_calibration, progress: bool, reference_costs: list[float] | None = None) -> None:
         self.cfg, self.validator, self.tokenizer, self.chain_calibration = cfg, validator, tokenizer, chain_calibration
         self.ckpt, self.best_dir = out / "checkpoint", out / "best"
-        spec = cfg.state_spec(hidden)
-        self.pcfg = cfg.policy_config(hidden)
+        spec = cfg.state_spec(hidden, reference_costs)
+        self.pcfg = cfg.policy_config(hidden, reference_costs)
         found = runs.find_checkpoint(self.ckpt, SB3_WEIGHTS)
         self.resumed = found is not None
         state = runs.checkpoint_state(found) if self.resumed else {
@@ -510,7 +624,7 @@ class _PPORun:
             metric = self.validator.metric
             self.row.update(val_metric=round(ev[metric], 5), val_tau=round(ev["tau"], 4),
                             val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
-                            val_unique_actions=ev.get("unique_actions", ""))
+                            val_unique_actions=ev.get("unique_actions", ""), val_per_machine=_per_machine(ev))
             if self.bar is not None:
                 self.bar.set_postfix(val=f"{ev[metric]:.3f}", best=f"{self.best[metric]:.3f}")
         self.log.append(self.row)
@@ -595,6 +709,12 @@ def _export_and_summarise(cfg: ReSpSTrainConfig, out: Path, result: dict, settin
                "training": result, "resps": intervals, "baselines": validator.baselines(cfg),
                "chosen_interval": cfg.val_interval, "export": str(export),
                "summary_seconds": time.perf_counter() - t_start}
+    names = getattr(validator, "names", None)
+    if names and len(names) > 1:
+        summary["val_machines"] = names
+        summary["baselines_note"] = (f"modelled speedups are geometric means over the {len(names)} validation "
+                                     f"machines (per_machine: each one's); the best fixed action and the oracle are "
+                                     f"computed on the first one ({names[0]}) only")
     written = TrainingResult.written(summary, out, export)
     (out / "summary.md").write_text(format_table(summary) + "\n")
     return written
@@ -608,7 +728,12 @@ def _append_final(log: CsvLog, state: dict, validator, ev: dict) -> None:
     log.append(dict(timesteps=state["timesteps"], rollouts=state["rollouts"], seconds=round(state["seconds"], 2),
                     val_metric=round(ev[validator.metric], 5), val_tau=round(ev["tau"], 4),
                     val_depth=round(ev["mean_depth"], 3), val_size=round(ev["mean_size"], 2),
-                    val_unique_actions=ev.get("unique_actions", "")))
+                    val_unique_actions=ev.get("unique_actions", ""), val_per_machine=_per_machine(ev)))
+
+
+def _per_machine(ev: dict) -> str:
+    """A validation's per-machine speedups as one log cell (``name=value;...``; empty on one machine)."""
+    return ";".join(f"{k}={v}" for k, v in ev.get("per_machine", {}).items())
 
 
 def format_table(summary: dict) -> str:
@@ -622,6 +747,14 @@ def format_table(summary: dict) -> str:
              f"temperature, policy time measured apart)", "",
              runs.format_table(["arm", name, "tau", "mean depth", "mean V", "unique actions", "policy overhead"],
                                rows, markdown=True)]
+    if summary.get("baselines_note"):
+        lines += ["", summary["baselines_note"] + "."]
+        per = {arm: r["per_machine"] for arm, r in {**summary["resps"], **summary["baselines"]}.items()
+               if "per_machine" in r}
+        if per:
+            machines = summary["val_machines"]
+            lines += ["", runs.format_table(["arm", *machines], [[arm, *(f"{p[m]:.3f}" for m in machines)]
+                                                                  for arm, p in per.items()], markdown=True)]
     t = summary["training"]
     lines += ["", f"PPO: {t['timesteps']} steps in {t['seconds']:.0f} s; best checkpoint at {t['best']['timesteps']} "
                   f"steps ({metric} {t['best'][metric]:.3f}); exported to {summary['export']}"]
