@@ -64,3 +64,66 @@ def test_family_samples_stay_inside_the_spread(tmp_path):
         LatencyFamily([BILINEAR], spread=0.5)
     with pytest.raises(ValueError, match="at least one"):
         LatencyFamily([])
+
+
+# ---------------------------------------------------------------------------------------------- the standard family
+
+
+def test_synthetic_member_follows_its_four_numbers():
+    from adaptree.offline.family import synthetic, verify_ratio
+
+    m = synthetic(step=0.5, growth=0.02, draft=0.25, other=0.1, row_s=0.01, length_growth=0.0)
+    assert m.verify_time(0, 500) == pytest.approx(0.01)
+    assert m.verify_time(1, 500) == pytest.approx(0.01 * 1.52)  # the step and one row of growth
+    assert m.verify_time(64, 500) == pytest.approx(0.01 * (1.5 + 0.02 * 64))
+    assert m.draft_step(10, 500) == pytest.approx(0.0025) and m.other_s == pytest.approx(0.001)
+    assert verify_ratio(m) == pytest.approx(1.5 + 0.02 * 64)
+    grows = synthetic(0.0, 0.01, 0.1, 0.0, row_s=0.01, length_growth=0.3)
+    assert grows.verify_time(4, 1000) == pytest.approx(1.3 * grows.verify_time(4, 0))
+    with pytest.raises(ValueError, match="draft"):
+        synthetic(0.0, 0.01, 0.0, 0.0)
+
+
+def test_forward_curve_member_takes_the_least_time_at_or_above_each_row_count():
+    from adaptree.offline.family import from_forward_curve
+
+    m = from_forward_curve({"1": 8.0, "2": 13.0, "4": 19.0, "8": 12.0, "16": 12.5}, draft_ms=1.5, other_ms=1.0)
+    assert [round(m.verify_time(n - 1, 256) * 1e3, 6) for n in (1, 2, 4, 8, 16)] == [8.0, 12.0, 12.0, 12.0, 12.5]
+    assert m.draft_step(10, 999) == pytest.approx(1.5e-3) and m.other_s == pytest.approx(1e-3)
+
+
+def test_family_index_round_trip_holds_out_and_validates(tmp_path):
+    from adaptree.offline.family import Member, load_members, read_index, synthetic, write_index
+
+    members = [Member(f"m{i}", synthetic(0.0, g, 0.1, 0.01), held_out=(i == 1), source="test")
+               for i, g in enumerate((0.001, 0.01, 0.1, 0.5))]
+    index = write_index(members, tmp_path / "fam")
+    back = read_index(index)
+    assert [(m.name, m.held_out) for m in back] == [(m.name, m.held_out) for m in members]
+    assert back[2].model.verify_time(30, 100) == pytest.approx(members[2].model.verify_time(30, 100))
+    models, names, val = load_members([str(index)])
+    assert names == ["m0", "m2", "m3"] and len(models) == 3 and val == [0, 1, 2]  # the held-out member never trains
+    fam = LatencyFamily.from_files([str(index)])
+    assert fam.names == names and len(fam.validation_bases) == 3
+
+
+def test_the_standard_family_holds_out_a_band_and_every_measured_member():
+    from adaptree.offline.family import HELD_OUT_BAND, read_index, verify_ratio
+
+    members = read_index()
+    assert {m.group for m in members} == {"synthetic", "measured"}
+    assert all(m.held_out for m in members if m.group == "measured")
+    lo, hi = HELD_OUT_BAND
+    for m in members:
+        if m.group == "synthetic":
+            assert m.held_out == (lo <= verify_ratio(m.model) < hi), m.name
+    names = {m.name for m in members}
+    assert {"h100-bf16", "xeon-amx-2t-bf16", "xeon-amx-2t-fp32", "xeon-amx-2t-bf16-int4"} <= names
+    assert sum(not m.held_out for m in members) >= 100
+
+
+def test_synthetic_members_compare_with_no_machine():
+    from adaptree.offline.family import synthetic
+    from adaptree.offline.latency import check_machine
+
+    assert check_machine(synthetic(0.0, 0.01, 0.1, 0.01)) == []

@@ -13,13 +13,21 @@ transfer:
   ``[1/spread, spread]``). Training samples one member per generation (the simulator's rewards and the cost
   features come from the same member), so the policy learns how the best tree moves with the costs instead of
   one machine's answer.
+* The standard family (:func:`standard_members`, written by ``scripts/build_family.py`` into
+  :data:`STANDARD_INDEX`): synthetic members that span the hardware users run, from CPUs where every verified
+  node costs a large part of a step to GPUs where verification is nearly free (:func:`synthetic`), next to
+  measured ones (CPU profiles, an H100 member built from its forward curve, :func:`from_forward_curve`). Whole
+  regions are held out of training (:data:`HELD_OUT_BAND` and every measured member), so that a table over the
+  family tests transfer, not memory.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -98,10 +106,23 @@ class LatencyFamily:
         if not self.spread >= 1.0:
             raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
         self.names = list(self.names or [f"base{i}" for i in range(len(self.bases))])
+        if self.validation is not None:
+            self.validation = sorted({int(i) for i in self.validation})
+            if not self.validation or not 0 <= self.validation[0] <= self.validation[-1] < len(self.bases):
+                raise ValueError(f"validation must name bases 0..{len(self.bases) - 1}, got {self.validation}")
+
+    validation: list[int] | None = None
+    """Indices of the bases a trainer validates on (None: all of them)."""
 
     @classmethod
     def from_files(cls, paths: Sequence[str | os.PathLike], spread: float = 1.0) -> "LatencyFamily":
-        return cls([LatencyModel.load(p) for p in paths], spread, [_label(p) for p in paths])
+        models, names, val = load_members(paths)
+        return cls(models, spread, names, val)
+
+    @property
+    def validation_bases(self) -> list[LatencyModel]:
+        """The bases a trainer validates on (:attr:`validation`)."""
+        return self.bases if self.validation is None else [self.bases[i] for i in self.validation]
 
     def sample(self, rng: np.random.Generator) -> LatencyModel:
         base = self.bases[int(rng.integers(len(self.bases)))]
@@ -112,13 +133,162 @@ class LatencyFamily:
 
     def describe(self) -> dict:
         """The family as a summary records it: the bases' names and cost features, the spread."""
-        return {"spread": self.spread, "bases": {n: [round(x, 4) for x in cost_features(m)]
-                                                 for n, m in zip(self.names, self.bases)},
-                "cost_features": list(COST_FEATURES)}
+        out = {"spread": self.spread, "bases": {n: [round(x, 4) for x in cost_features(m)]
+                                                for n, m in zip(self.names, self.bases)},
+               "cost_features": list(COST_FEATURES)}
+        if self.validation is not None:
+            out["validation"] = [self.names[i] for i in self.validation]
+        return out
 
     def reference_costs(self) -> list[float]:
         """The per-feature median over the bases: the costs a policy assumes when it is given no latency model."""
         return np.median(np.array([cost_features(m) for m in self.bases]), axis=0).round(6).tolist()
+
+
+STANDARD_INDEX = Path(__file__).with_name("machines") / "family.json"
+"""The standard family's index (``scripts/build_family.py`` writes it and its members next to it)."""
+
+HELD_OUT_BAND = (1.7, 2.6)
+"""Synthetic members whose verification of 64 nodes costs this many times one row (lower bound included) are held
+out of training: the region of the AMX CPU in bfloat16 (1.85x), so that no member like it is trained on."""
+
+GRID = {"step": (0.0, 0.3, 0.8), "growth": (0.001, 0.004, 0.012, 0.03, 0.08, 0.2, 0.6),
+        "draft": (0.03, 0.1, 0.3, 1.0), "other": (0.005, 0.12)}
+"""The synthetic members' parameters (:func:`synthetic`): every combination."""
+
+SYNTHETIC_KNOTS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513)
+
+
+def synthetic(step: float, growth: float, draft: float, other: float, row_s: float = 0.02,
+              length_growth: float = 0.3) -> LatencyModel:
+    """A machine described by four numbers, relative to one target forward over one row (``row_s`` seconds at
+    context 0): a verification of N = V + 1 rows costs ``row_s * (1 + step*[N > 1] + growth*(N - 1))`` (``step``:
+    the jump from matrix-vector to matrix-matrix kernels a CPU shows at a few rows; ``growth``: each further row,
+    from ~0 on a GPU that is far from compute-bound to 1 where a row costs a whole step), a draft step (W = 10)
+    costs ``draft`` of the one-row forward, the per-cycle overhead ``other`` of it; every time grows by
+    ``length_growth`` per 1000 tokens of context."""
+    if min(step, growth, other) < 0 or draft <= 0 or row_s <= 0 or length_growth < 0:
+        raise ValueError(f"synthetic member needs step, growth, other, length_growth >= 0 and draft, row_s > 0, got "
+                         f"step={step}, growth={growth}, draft={draft}, other={other}, row_s={row_s}, "
+                         f"length_growth={length_growth}")
+    per_l = length_growth / 1000.0
+    verify = []
+    for n in SYNTHETIC_KNOTS:
+        v = row_s * (1.0 + (step if n > 1 else 0.0) + growth * (n - 1))
+        verify += [v, v * per_l]
+    d = draft * row_s
+    meta = {"synthetic": {"step": step, "growth": growth, "draft": draft, "other": other, "row_s": row_s,
+                          "length_growth": length_growth}}
+    return LatencyModel([d, 0.0, d * per_l, 0.0], verify, other * row_s, meta, list(SYNTHETIC_KNOTS))
+
+
+def verify_ratio(model: LatencyModel, size: int = 64, context_len: int = COST_CONTEXT) -> float:
+    """verify(V) / verify(0) at ``context_len``: how much a tree of ``size`` nodes costs over one row."""
+    return model.verify_time(size, context_len) / max(model.verify_time(0, context_len), 1e-12)
+
+
+def from_forward_curve(ms: dict, draft_ms: float, other_ms: float, meta: dict | None = None) -> LatencyModel:
+    """A member from a target forward's cost curve (``{rows: milliseconds}`` at one context length) and a draft step
+    and per-cycle overhead in milliseconds. Host noise only ever adds time, so each row count gets the least time
+    measured at it or at any larger row count (a larger tree never costs less); no context-length term (the curve
+    has one length)."""
+    rows = sorted((int(k), float(v)) for k, v in ms.items())
+    if len(rows) < 2 or rows[0][0] < 1:
+        raise ValueError(f"a forward curve needs at least 2 row counts >= 1, got {sorted(ms)}")
+    times = [min(t for _, t in rows[i:]) for i in range(len(rows))]
+    verify = [x for t in times for x in (t / 1e3, 0.0)]
+    return LatencyModel([draft_ms / 1e3, 0.0, 0.0, 0.0], verify, other_ms / 1e3, dict(meta or {}),
+                        [n for n, _ in rows])
+
+
+@dataclass
+class Member:
+    """One member of a family index: a name, its latency model, whether training may use it, where it came from."""
+
+    name: str
+    model: LatencyModel
+    held_out: bool
+    source: str
+    group: str = field(default="synthetic")
+    """synthetic | measured."""
+
+
+def standard_synthetic() -> list[Member]:
+    """The synthetic members of the standard family (:data:`GRID`), the ones in :data:`HELD_OUT_BAND` held out."""
+    out = []
+    for step, growth, draft, other in itertools.product(*GRID.values()):
+        m = synthetic(step, growth, draft, other)
+        lo, hi = HELD_OUT_BAND
+        name = f"syn-s{step:g}-g{growth:g}-d{draft:g}-o{other:g}"
+        out.append(Member(name, m, lo <= verify_ratio(m) < hi, "synthetic", "synthetic"))
+    return out
+
+
+def write_index(members: Sequence[Member], folder: str | os.PathLike) -> Path:
+    """Each member's latency model as ``folder/<name>.json`` and the index ``folder/family.json`` (names, files,
+    held-out marks, sources, cost features)."""
+    from adaptree.offline.runs import write_json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for m in members:
+        m.model.save(folder / f"{m.name}.json")
+        rows.append({"name": m.name, "file": f"{m.name}.json", "held_out": m.held_out, "group": m.group,
+                     "source": m.source, "cost_features": [round(x, 4) for x in cost_features(m.model)],
+                     "verify64_ratio": round(verify_ratio(m.model), 4)})
+    index = folder / "family.json"
+    write_json({"version": 1, "cost_features": list(COST_FEATURES), "held_out_band": list(HELD_OUT_BAND),
+                "members": rows}, index)
+    return index
+
+
+def read_index(path: str | os.PathLike = STANDARD_INDEX) -> list[Member]:
+    """The members of a family index (:func:`write_index`), loaded strictly."""
+    path = Path(path)
+    with open(path) as f:
+        d = json.load(f)
+    unknown = set(d) - {"version", "cost_features", "held_out_band", "members"}
+    if d.get("version") != 1 or unknown or "members" not in d:
+        raise ValueError(f"{path}: not a family index (version 1 with members; unknown fields {sorted(unknown)})")
+    if list(d.get("cost_features", COST_FEATURES)) != list(COST_FEATURES):
+        raise ValueError(f"{path}: written for cost features {d['cost_features']}, this version has "
+                         f"{list(COST_FEATURES)}")
+    out = []
+    for r in d["members"]:
+        out.append(Member(r["name"], LatencyModel.load(path.parent / r["file"]), bool(r["held_out"]),
+                          r.get("source", ""), r.get("group", "synthetic")))
+    return out
+
+
+def is_index(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a family index (``standard`` names :data:`STANDARD_INDEX`)."""
+    return str(path) == "standard" or Path(path).name == "family.json"
+
+
+VALIDATION_MEMBERS = 12
+"""How many training members a trainer validates on (spread over the index's order: every grid region)."""
+
+
+def load_members(paths: Sequence[str | os.PathLike]) -> tuple[list[LatencyModel], list[str], list[int] | None]:
+    """Latency models for a family: each path a latency model JSON, or a family index (``standard`` = the shipped
+    one) of which only the members not held out are taken. Returns (models, names, validation indices): with an
+    index, :data:`VALIDATION_MEMBERS` of its training members spread over it; else None (validate on all)."""
+    models, names, val = [], [], None
+    for p in paths:
+        if is_index(p):
+            train = [m for m in read_index(STANDARD_INDEX if str(p) == "standard" else p) if not m.held_out]
+            if not train:
+                raise ValueError(f"family index {p} has no member that is not held out")
+            first = len(models)
+            picks = np.linspace(0, len(train) - 1, min(VALIDATION_MEMBERS, len(train))).round().astype(int)
+            val = (val or []) + [first + int(i) for i in sorted(set(picks.tolist()))]
+            models += [m.model for m in train]
+            names += [m.name for m in train]
+        else:
+            models.append(LatencyModel.load(p))
+            names.append(_label(p))
+    return models, names, val
 
 
 def _label(path: str | os.PathLike) -> str:

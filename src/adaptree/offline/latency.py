@@ -232,9 +232,12 @@ def machine_meta() -> dict:
 def check_machine(model: LatencyModel, current: dict | None = None) -> list[str]:
     """Differences between the machine ``model`` was measured on and this one (``current``, default
     :func:`machine_meta`), one message per differing item (CPU model, torch threads, GPU) naming both
-    values; a model that records no machine gets one message saying so. Empty: same machine."""
-    here = machine_meta() if current is None else current
+    values; a model that records no machine gets one message saying so. Empty: same machine, or a synthetic model
+    (``meta["synthetic"]``: it describes no machine)."""
     meta = model.meta or {}
+    if "synthetic" in meta:  # a member of a latency family (adaptree.offline.family): no machine to compare with
+        return []
+    here = machine_meta() if current is None else current
     there = dict(meta.get("machine") or {})
     if "torch_threads" not in there and "threads" in meta:  # calibrate() before meta["machine"] existed
         there["torch_threads"] = meta["threads"]
