@@ -554,3 +554,42 @@ def test_traces_record_cli_resumes(tmp_path, models, monkeypatch, capsys):
     # another max depth into the same folder is refused, naming the difference
     assert cli.main(argv[:-4] + ["4", "--out", str(out), "--quiet"]) == 2
     assert "max_depth" in capsys.readouterr().err
+
+
+def test_acceptance_tables_are_kept_per_trace_and_equal_fresh_ones(traces):
+    from adaptree.offline.traces import _acceptance_table
+
+    tr = traces[0]
+    wt = tr.width(8)
+    pos = np.arange(tr.end)
+    first = acceptance_table(wt, tr.output, 5, pos)
+    assert (5, len(pos), id(tr.output)) in wt._tables  # kept
+    again = acceptance_table(wt, tr.output, 5, pos)
+    assert again.dtype == first.dtype and np.array_equal(again, first)
+    assert np.array_equal(first, _acceptance_table(wt, tr.output, 5, pos))
+    other = tr.output.copy()  # another output under the same id is never served from the cache
+    assert np.array_equal(acceptance_table(wt, other, 5, pos), first)
+    some = np.array([0, 2, 3])  # not a prefix: computed, not kept
+    assert np.array_equal(acceptance_table(wt, tr.output, 5, some), first[some])
+    assert all(k[1] == len(pos) for k in wt._tables)
+
+
+def test_a_trace_folder_with_more_than_a_trainer_needs_is_reused(tmp_path, models):
+    from types import SimpleNamespace
+
+    from adaptree.offline.recording import sufficient_traces
+
+    target, head = models
+    pipe = SimpleNamespace(target=target, head=head)
+    s = TraceSettings(widths=(3, 8), max_depth=4, max_new_tokens=12, feature_dtype="float16")
+    store = open_store_for(tmp_path, target, head, s)
+    store.record(target, head, [(f"ds/{i}", p) for i, p in enumerate(PROMPTS[:2])], progress=False)
+    keys = {"ds/0", "ds/1"}
+    got = sufficient_traces(pipe, tmp_path, keys, (8,), 3, 12, "none")
+    assert got is not None and {t.key for t in got} == keys
+    assert sufficient_traces(pipe, tmp_path, keys, (8,), 3, 12, "float16") is not None  # features were recorded
+    assert sufficient_traces(pipe, tmp_path, keys | {"ds/9"}, (8,), 3, 12, "none") is None  # a prompt missing
+    assert sufficient_traces(pipe, tmp_path, keys, (5,), 3, 12, "none") is None  # a width missing
+    assert sufficient_traces(pipe, tmp_path, keys, (8,), 6, 12, "none") is None  # too shallow
+    assert sufficient_traces(pipe, tmp_path, keys, (8,), 3, 16, "none") is None  # another token limit
+    assert sufficient_traces(pipe, tmp_path / "none", keys, (8,), 3, 12, "none") is None

@@ -13,6 +13,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from adaptree.core.config import check_fields, positive
 from adaptree.data.prompts import Prompt
@@ -99,7 +100,30 @@ def training_traces(pipeline, folder: str | os.PathLike, prompts: Sequence[Promp
     """The greedy traces of the policy-training ``prompts``, recorded into ``folder`` if not there yet (with the
     chat template when the model has one); returns them loaded."""
     require_head(pipeline, "training a policy")
+    keys = {f"{p.dataset}/{p.id}" for p in prompts}
+    found = sufficient_traces(pipeline, folder, keys, widths, max_depth, max_new_tokens, feature_dtype)
+    if found is not None:
+        return found
     store, _ = record_prompts(pipeline, folder, prompts, widths=widths, max_depth=max_depth,
                               max_new_tokens=max_new_tokens, feature_dtype=feature_dtype, progress=progress)
-    keys = {f"{p.dataset}/{p.id}" for p in prompts}
     return [t for t in store.load_all() if t.key in keys]
+
+
+def sufficient_traces(pipeline, folder: str | os.PathLike, keys: set[str], widths: Sequence[int], max_depth: int,
+                      max_new_tokens: int, feature_dtype: str) -> list[PromptTrace] | None:
+    """The traces of ``keys`` in ``folder`` when it already holds every one of them, recorded for this model and head
+    with at least what a trainer asks for (its widths, ``max_depth`` levels or more, the same token limit, target
+    features when it needs them): one folder then serves every trainer (LTD's traces need no features, Re-SpS's do).
+    None when it does not (the caller records into it, which refuses settings that differ)."""
+    from adaptree.offline.store import head_fingerprint, model_fingerprint
+
+    if not (Path(folder) / "manifest.json").is_file():
+        return None
+    store = TraceStore(folder)
+    s, fps = store.settings, store.fingerprints
+    if (fps.get("model") != model_fingerprint(pipeline.target) or fps.get("head") != head_fingerprint(pipeline.head)
+            or not set(widths) <= set(s.widths) or s.max_depth < max_depth or s.max_new_tokens != max_new_tokens
+            or (feature_dtype != "none" and s.feature_dtype == "none")):
+        return None
+    traces = [t for t in store.load_all() if t.key in keys]
+    return traces if {t.key for t in traces} == set(keys) else None

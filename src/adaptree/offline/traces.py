@@ -139,6 +139,9 @@ class WidthTrace:
     (row r of level d = the distribution of ``child_scores`` row r; level 1 has one row, the rest NaN);
     None when the tree code exposes no ``DraftStep.entropy``."""
     _torch: tuple | None = field(default=None, repr=False)
+    _tables: dict = field(default_factory=dict, repr=False)
+    """:func:`acceptance_table` of every root position per (depth, positions): they do not depend on the machine, so
+    replaying one trace under many latency models (a family's table) computes each once."""
 
     @property
     def candidates(self) -> int:
@@ -269,6 +272,17 @@ def acceptance_table(wt: WidthTrace, output: np.ndarray, depth: int,
     if not 1 <= depth <= wt.max_depth:
         raise ValueError(f"depth must be in 1..{wt.max_depth}, got {depth}")
     pos = np.arange(wt.tokens.shape[0]) if positions is None else np.asarray(positions)
+    prefix = len(pos) == 0 or (pos[0] == 0 and pos[-1] == len(pos) - 1 and (np.diff(pos) == 1).all())
+    key = (depth, len(pos), id(output))
+    if prefix and key in wt._tables and wt._tables[key][0] is output:
+        return wt._tables[key][1].astype(np.int64)
+    table = _acceptance_table(wt, output, depth, pos)
+    if prefix:  # the common case (every root position up to T): kept small, accepted lengths are <= max_depth
+        wt._tables[key] = (output, table.astype(np.int8))
+    return table
+
+
+def _acceptance_table(wt: WidthTrace, output: np.ndarray, depth: int, pos: np.ndarray) -> np.ndarray:
     c = num_candidates(wt.width, depth)
     match = match_mask(wt, output, pos)[:, :c]
     gain = torch.from_numpy(np.where(match, wt.depths()[:c], 0))
