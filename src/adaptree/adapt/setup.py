@@ -25,10 +25,13 @@ from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_l
 from adaptree.core.config import at_least, check_fields, positive
 from adaptree.core.pipeline import PipelineLike
 
-SETUP_VERSION = 4
+SETUP_VERSION = 5
 """2: the default method is confirmed live against AR (:func:`confirm_default`); 3: ``ngram`` and ``hybrid`` are
-candidates for the default too; 4: ``setup.json`` lists the sha256 of the setup's files (:attr:`MachineSetup.files`).
-A setup of an older version is measured again."""
+candidates for the default too; 4: ``setup.json`` lists the sha256 of the setup's files (:attr:`MachineSetup.files`);
+5: the tuning traces carry the target features, so Re-SpS is modelled too. A setup of an older version is measured
+again."""
+TRACE_FEATURES = "float16"
+"""How the tuning traces store the target features (Re-SpS's state)."""
 SETUP_FILES = ("latency.json", "static_gs.json")
 """The files of a setup folder that ``setup.json`` lists with their sha256."""
 ADAPT_ENV = "ADAPTREE_ADAPT"
@@ -323,10 +326,12 @@ def _traces(pipeline: PipelineLike, cfg: AdaptConfig, folder: Path | None, promp
         store = TraceStore(folder)
         return Path(folder), store.load_all()
     if folder is None:
-        folder = traces_dir() / f"{model_fingerprint(pipeline.target)[:16]}-{head_fingerprint(pipeline.head)[:16]}"
+        # "-f16": the traces carry the target features Re-SpS observes (older folders recorded none)
+        folder = traces_dir() / (f"{model_fingerprint(pipeline.target)[:16]}-{head_fingerprint(pipeline.head)[:16]}"
+                                 f"-{TRACE_FEATURES}")
     settings = TraceSettings(widths=(cfg.width,), max_depth=cfg.max_depth, max_new_tokens=cfg.max_new_tokens,
                              eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
-                             feature_dtype="none")
+                             feature_dtype=TRACE_FEATURES)
     keyed = prompt_ids if prompt_ids is not None else tuning_prompt_ids(pipeline, cfg.prompts)
     with measure_lock(Path(folder)):
         store = open_store_for(folder, pipeline.target, pipeline.head, settings)

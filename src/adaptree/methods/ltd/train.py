@@ -132,8 +132,10 @@ class LTDTrainConfig:
     costs: bool = False
     """The policies see the machine's cost features (adaptree.offline.family)."""
     family: tuple[str, ...] = ()
-    """More measured latency models (JSON files) to train over, next to the main one: each generation runs on a
-    member drawn at random (perturbed by ``spread``); validation is the geometric mean over the measured ones."""
+    """More latency models to train over, next to the main one: JSON files, or a family index (``standard``: the
+    shipped one, adaptree.offline.family; its held-out members are never trained on). Each generation runs on a
+    member drawn at random (perturbed by ``spread``); validation is the geometric mean over the given files, or over
+    the index's validation members."""
     spread: float = at_least(1.0, 1.0)
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
@@ -176,14 +178,15 @@ class LTDTrainConfig:
         return list(STAGES[:2 + self.iterations])
 
     def latency_family(self, latency):
-        """The family trained over (None: the one ``latency``, as LTD does)."""
-        from adaptree.offline.family import LatencyFamily
-        from adaptree.offline.latency import LatencyModel
+        """The family trained over (None: the one ``latency``, as LTD does): ``latency`` first, then every entry of
+        ``family`` (a latency model file, or a family index whose members not held out are taken)."""
+        from adaptree.offline.family import LatencyFamily, load_members
 
         if not self.family and self.spread == 1.0:
             return None
-        return LatencyFamily([latency, *(LatencyModel.load(f) for f in self.family)], self.spread,
-                             ["main", *self.family])
+        models, names, val = load_members(self.family)
+        return LatencyFamily([latency, *models], self.spread, ["main", *names],
+                             None if val is None else [0, *(i + 1 for i in val)])
 
 
 def _lr_schedule(lr: float, warmup: float):
@@ -413,7 +416,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     if live_source is not None and cfg.costs:
         live_source.latency = latency
     source = live_source or SimSource(train, latency, family=family)
-    val_latency = family.bases if family is not None else latency  # validation: the measured machines
+    val_latency = family.validation_bases if family is not None else latency  # validation: the family's chosen ones
     policies: dict[str, MLPPolicy] = _init_pair(cfg) if cfg.init else {}
     if policies:
         obs = LTDObservation.from_dict(policies["init-depth"].config.observation)
