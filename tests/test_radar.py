@@ -623,3 +623,270 @@ def test_train_radar_over_a_latency_family(flat_pair, tmp_path):
     assert ctl.costs is not None and ctl.gate.latency is not None
     with pytest.raises(ValueError, match="latency model"):
         RadarTrainConfig(t_fixed=1.0, t_draft=0.1, costs=True)
+
+
+# ----------------------------------------------------------------------------- V per depth from the machine
+
+# A CPU-like machine (every verified node costs), a GPU-like one (verification nearly flat in V) and a calibrated
+# piecewise-linear one (a jump from 1 to 2 rows), as in tests/test_oracle.py.
+TABLE_LATENCIES = {
+    "cpu": dict(draft=[2e-3, 1e-4, 1e-6, 1e-8], verify=[8e-3, 2e-3, 2e-6, 1e-8], other_s=5e-4),
+    "gpu": dict(draft=[4e-3, 1e-6, 1e-7, 0.0], verify=[1e-2, 1e-6, 1e-6, 1e-10], other_s=1e-4),
+    "knots": dict(draft=[2e-3, 1e-4, 1e-6, 1e-8], verify=[8e-3, 2e-6, 1.4e-2, 2e-6, 1.5e-2, 2.5e-6, 2e-2, 4e-6, 6e-2,
+                                                          1e-5], other_s=5e-4, verify_knots=[1, 2, 5, 17, 61]),
+}
+TRACE_W, TRACE_D = 3, 5
+
+
+def latency_of(name):
+    from adaptree.offline.latency import LatencyModel
+
+    return LatencyModel(**TABLE_LATENCIES[name])
+
+
+@pytest.fixture(scope="module")
+def greedy_traces():
+    """Greedy traces of a tiny pair (vocabulary 8, W=3, 5 levels, 24 tokens) whose acceptance grows with the depth
+    where verification is cheap, one trace cut short by the context limit."""
+    from adaptree.offline.traces import TraceSettings, record_trace
+
+    target = tiny_target(vocab=8, seed=3)
+    head = tiny_head(target, draft_vocab=6, seed=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s = TraceSettings(widths=(TRACE_W,), max_depth=TRACE_D, max_new_tokens=24, feature_dtype="none")
+        out = [record_trace(target, head, [x % 8 for x in p], settings=s, key=f"p{i}") for i, p in enumerate(PROMPTS)]
+        short = TraceSettings(widths=(TRACE_W,), max_depth=TRACE_D, max_new_tokens=24, max_seq_len=30,
+                              feature_dtype="none")
+        out.append(record_trace(target, head, [x % 8 for x in PROMPTS[3]], settings=short, key="short"))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@pytest.mark.parametrize("lat_name", sorted(TABLE_LATENCIES))
+def test_sizes_by_depth_is_the_best_static_tree_of_each_depth(greedy_traces, lat_name):
+    from adaptree.methods.radar.dataset import TraceCycles
+    from adaptree.offline.oracle import best_static, sizes_by_depth
+
+    lat = latency_of(lat_name)
+    traces = greedy_traces[:4]
+    table = sizes_by_depth(traces, lat, width=TRACE_W)  # depths 1..12 asked, the traces have 5
+    assert sorted(table) == list(range(1, TRACE_D + 1))
+    for d, v in table.items():
+        assert v == best_static(traces, lat, widths=(TRACE_W,), depths=[d]).size
+    assert sizes_by_depth(traces, lat, width=TRACE_W, depths=[2, 4]) == {2: table[2], 4: table[4]}
+    # RADAR's per-machine tables (computed from arrays built once) are the oracle's, and so is the reference tree
+    for trs in (traces, greedy_traces):
+        m = TraceCycles(trs, TRACE_W, TRACE_D).machine(lat)
+        best = best_static(trs, lat, widths=(TRACE_W,), depths=range(1, TRACE_D + 1))
+        assert m.table == sizes_by_depth(trs, lat, width=TRACE_W) and (m.depth, m.size) == (best.depth, best.size)
+    if lat_name == "gpu":
+        assert table[TRACE_D] > table[1]  # cheap verification: deeper trees verify more
+    with pytest.raises(ValueError, match="max_depth"):
+        sizes_by_depth(traces, lat, width=TRACE_W, depths=[9])
+
+
+def write_tuned(path, table, width=TRACE_W):
+    path.write_text(json.dumps({"width": width, "depth": 1, "size": 2, "size_by_depth": {str(d): v for d, v in
+                                                                                          table.items()}}))
+    return str(path)
+
+
+def test_controller_verifies_the_machine_table(tmp_path):
+    RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=8)).save(tmp_path / "old")
+    tuned = write_tuned(tmp_path / "static_gs.json", {1: 2, 2: 5, 3: 9})
+    ctl = make_controller("radar", policy=str(tmp_path / "old"), width=3, machine={"tuned": tuned})
+    assert ctl.config.tuned == tuned
+    assert [ctl.size_at(d) for d in range(1, 6)] == [2, 5, 9, 9, 9]  # past the table: its deepest V
+    assert ctl.smallest == (3, 2, 5)
+    for d in (1, 3):
+        assert ctl.choose_size(type("T", (), {"depth": d})(), ctl.plan) == ctl.size_at(d)
+    # no table: EAGLE-3's 60 at every depth for a policy trained without tables; a given V wins over the table
+    for kw in ({}, {"tuned": str(tmp_path / "plain.json")}):
+        (tmp_path / "plain.json").write_text(json.dumps({"width": 3, "depth": 1, "size": 2}))  # tune-static's
+        ctl = make_controller("radar", policy=str(tmp_path / "old"), width=3, **kw)
+        assert [ctl.size_at(d) for d in range(1, 6)] == [60] * 5 and ctl.smallest == (3, 60, 5)
+    ctl = make_controller("radar", policy=str(tmp_path / "old"), width=3, size=20, tuned=tuned)
+    assert [ctl.size_at(d) for d in range(1, 6)] == [20] * 5
+    # a table searched for another W is not this one's
+    ctl = make_controller("radar", policy=str(tmp_path / "old"), width=3,
+                          tuned=write_tuned(tmp_path / "w10.json", {1: 7}, width=10))
+    assert ctl.size_at(1) == 60
+    # a policy trained with tables: the machine's table, else the one it stores
+    with pytest.raises(ValueError, match="reference_sizes"):
+        RadarModelConfig(width=3, max_depth=5, size_table=True)
+    with pytest.raises(ValueError, match="one V >= 1 per depth"):
+        RadarModelConfig(width=3, max_depth=5, size_table=True, reference_sizes=[1, 2])
+    RadarPolicy(RadarModelConfig(width=3, max_depth=5, hidden=8, size_table=True,
+                                 reference_sizes=[1, 3, 6, 6, 8])).save(tmp_path / "new")
+    assert RadarPolicy.load(tmp_path / "new").config.reference_sizes == [1, 3, 6, 6, 8]
+    ctl = make_controller("radar", policy=str(tmp_path / "new"), width=3)
+    assert [ctl.size_at(d) for d in range(1, 6)] == [1, 3, 6, 6, 8]
+    ctl = make_controller("radar", policy=str(tmp_path / "new"), width=3, tuned=tuned)
+    assert [ctl.size_at(d) for d in range(1, 6)] == [2, 5, 9, 9, 9]
+    with pytest.raises(FileNotFoundError, match="V table"):
+        RadarConfig(tuned=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="size"):
+        RadarConfig(size=0)
+
+
+def test_the_shipped_policy_behaves_as_before():
+    """The shipped policy (trained on the T=1 dataset with V = 60) loads strictly, verifies 60 nodes at every depth
+    without a machine table, and stops where it stopped (P(STOP) after the first draft forward of a fixed input)."""
+    from pathlib import Path
+
+    import adaptree
+
+    folder = Path(adaptree.__file__).parent / "heads" / "smollm2-135m" / "radar"
+    pol = RadarPolicy.load(folder)
+    assert not pol.config.size_table and pol.config.reference_sizes is None
+    ctl = RadarController(RadarConfig(policy=str(folder)))
+    assert (ctl.plan.width, ctl.plan.max_depth, ctl.plan.size) == (10, 8, 60)
+    assert [ctl.size_at(d) for d in range(1, 9)] == [60] * 8
+    x = -torch.arange(1, 11, dtype=torch.float32).cumsum(0)[None, None].repeat(1, 7, 1) * torch.linspace(
+        0.05, 0.6, 7)[None, :, None]
+    with torch.no_grad():
+        p_stop = torch.softmax(pol.eval()(x), -1)[0, :, 0]
+    assert abs(float(p_stop[0]) - 0.97146) < 1e-4 and bool((p_stop > 0.5).all())
+
+
+def test_trace_cycles_are_the_simulator_s_cycles(greedy_traces):
+    """At the roots the machine's best static tree visits, every stop point's accepted length is the simulator's for
+    the static tree of that depth and the machine's V there, the beam scores are the replayed tree's, and the
+    reference trajectory is the simulator's cycle for cycle."""
+    from adaptree.core.controller import StaticConfig, StaticController
+    from adaptree.methods.radar.dataset import TraceCycles
+    from adaptree.offline.simulator import ReplayTree, simulate_one
+    from adaptree.offline.traces import num_candidates
+
+    lat = latency_of("knots")
+    cycles = TraceCycles(greedy_traces, TRACE_W, TRACE_D)
+    m = cycles.machine(lat)
+    checked = 0
+    for tr, rec in zip(greedy_traces, cycles.records(m)):
+        n = tr.prompt_len
+        pos = rec.context_len - n
+        acc = rec.dist.argmax(-1)  # [P, D]
+        assert (rec.dist.sum(-1) == 1).all() and (rec.dist.max(-1) == 1).all()  # greedy: point masses
+        ref = simulate_one(StaticController(StaticConfig(TRACE_W, m.depth, m.size)), tr, lat, measure_policy=False)
+        drafted = [c for c in ref.cycles if c.depth > 0]
+        assert [c.context_len - n for c in drafted] == pos.tolist()
+        assert [c.accepted for c in drafted] == rec.accepted.tolist() == acc[:, m.depth - 1].tolist()
+        for d in range(1, TRACE_D + 1):
+            run = simulate_one(StaticController(StaticConfig(TRACE_W, d, m.table[d])), tr, lat, measure_policy=False)
+            sim = {c.context_len - n: (c.accepted, c.size) for c in run.cycles if c.depth > 0}
+            for i, j in enumerate(pos.tolist()):
+                if j in sim:
+                    assert sim[j] == (acc[i, d - 1], rec.sizes[i, d - 1])
+                    checked += 1
+        for i, j in enumerate(pos.tolist()):
+            tree = ReplayTree(tr.width(TRACE_W), j, int(tr.output[j]), n + j)
+            steps = [tree.first_step()] + [tree.step() for _ in range(TRACE_D - 1)]
+            np.testing.assert_array_equal(rec.scores[i], torch.stack([s.beam_scores for s in steps]).numpy())
+        for d in range(1, TRACE_D + 1):  # the engine's clamps: the candidates and the context room
+            room = tr.max_len - rec.context_len - 1
+            np.testing.assert_array_equal(rec.sizes[:, d - 1], np.minimum(min(m.table[d], num_candidates(TRACE_W, d)),
+                                                                          room))
+    assert checked > 40
+
+
+def test_trace_cycles_with_the_context_chain_are_the_simulator_s(greedy_traces):
+    """With chains every stop point's tree carries the whole context chain: the reference trajectory, accepted lengths
+    and verified nodes are the simulator's for the static tree verified with the context match's chain."""
+    from adaptree.core.context import ContextIndex
+    from adaptree.core.controller import StaticConfig, StaticController
+    from adaptree.methods.radar.dataset import TraceCycles
+    from adaptree.offline.simulator import simulate_one
+
+    class StaticWithChain(StaticController):
+        def context_index(self):
+            return ContextIndex(max_ngram=3)
+
+        def begin_cycle(self, ctx):
+            m = ctx.index.match(6, 1)
+            return self.plan.with_chain(m.tokens if m is not None else ())
+
+    lat = latency_of("gpu")
+    cycles = TraceCycles(greedy_traces, TRACE_W, TRACE_D, chain_tokens=6, max_ngram=3)
+    m = cycles.machine(lat)
+    chained = 0
+    for tr, rec in zip(greedy_traces, cycles.records(m)):
+        for d in (m.depth, TRACE_D):
+            run = simulate_one(StaticWithChain(StaticConfig(TRACE_W, d, m.table[d])), tr, lat, measure_policy=False)
+            sim = {c.context_len - tr.prompt_len: (c.accepted, c.size + c.chain_nodes, c.chain) for c in run.cycles
+                   if c.depth > 0}
+            if d == m.depth:
+                assert sorted(sim) == (rec.context_len - tr.prompt_len).tolist()
+            for i, j in enumerate((rec.context_len - tr.prompt_len).tolist()):
+                if j in sim:
+                    assert sim[j][:2] == (rec.dist[i, d - 1].argmax(), rec.sizes[i, d - 1])
+                    assert rec.match_length[i] > 0 or sim[j][2] == 0  # a chain comes from a match (the room may cut it)
+                    chained += sim[j][2] > 0
+        assert rec.dist.shape[-1] == 7  # up to max(D_max, K) = 6 tokens
+    assert chained > 10
+
+
+def save_traces(traces, folder):
+    from adaptree.offline.traces import TraceStore
+
+    store = TraceStore(folder, {k: traces[0].fingerprints[k] for k in ("model", "head")}, traces[0].settings)
+    for t in traces:
+        store.put(t)
+    return str(folder)
+
+
+def test_train_radar_on_traces_over_a_family_exports_a_table_policy(greedy_traces, tmp_path, capsys):
+    """A tiny run over a family (a latency file and a family index) on greedy traces: the exported policy loads
+    strictly, records its V table, and replays in the simulator verifying the machine's V at each depth."""
+    from adaptree.offline.family import Member, write_index
+    from adaptree.offline.latency import LatencyModel
+    from adaptree.offline.simulator import simulate
+
+    folder = save_traces(greedy_traces[:4], tmp_path / "traces")
+    latency_of("cpu").save(tmp_path / "cpu.json")
+    write_index([Member("gpu", latency_of("gpu"), False, "test"), Member("knots", latency_of("knots"), False, "test"),
+                 Member("held", latency_of("cpu"), True, "test")], tmp_path / "fam")
+    base = dict(traces=folder, latency=str(tmp_path / "cpu.json"), alphas=(0.0, 0.01), steps=6, batch_size=16,
+                hidden=8, eval_every=3, checkpoint_every=3, val_fraction=0.3, members=3, spread=1.5, costs=True)
+    s = train_radar(RadarTrainConfig(out=str(tmp_path / "r"), family=(str(tmp_path / "fam" / "family.json"),),
+                                     **base), progress=False)
+    assert s["chosen_by"] == "speedup" and s["traces"] == folder and s["train_cycles"] > 0
+    assert sorted(s["size_tables"]) == ["gpu", "knots", "main"] and len(s["grid"]["0"]["per_machine"]) == 3
+    assert s["family"]["bases"].keys() == {"main", "gpu", "knots"}  # the held-out member is not trained on
+    pol = RadarPolicy.load(tmp_path / "r" / "policy")
+    c = pol.config
+    assert c.size_table and c.max_depth == TRACE_D and c.width == TRACE_W and c.cost_features
+    assert c.reference_sizes == s["reference_sizes"] and len(c.reference_sizes) == TRACE_D
+    lat = LatencyModel.load(tmp_path / "cpu.json")
+    table = dict(enumerate(s["size_tables"]["main"]["sizes"], start=1))
+    tuned = write_tuned(tmp_path / "static_gs.json", table)
+    ctl = make_controller("radar", policy=str(tmp_path / "r" / "policy"), width=TRACE_W, latency=str(tmp_path /
+                          "cpu.json"), tuned=tuned, ar_fallback=False)
+    res = simulate(ctl, greedy_traces, lat, measure_policy=False)
+    drafted = [(tr, c) for tr, r in zip(greedy_traces, res.runs) for c in r.cycles if c.depth > 0]
+    assert drafted and all(c.size == min(table[c.depth], c.candidates, tr.max_len - c.context_len - 1)
+                           for tr, c in drafted)
+    assert s["size_tables"]["gpu"]["sizes"] != s["size_tables"]["main"]["sizes"]  # V follows the machine
+    # greedy traces with the context match observed: a chain calibration fitted on the training traces
+    s = train_radar(RadarTrainConfig(out=str(tmp_path / "m"), match=True, **{**base, "alphas": (0.0,), "steps": 3,
+                                                                               "spread": 1.0, "costs": False}),
+                    progress=False)
+    pol = RadarPolicy.load(tmp_path / "m" / "policy")
+    assert pol.config.match_features and pol.config.size_table and (tmp_path / "m" / "chain.json").is_file()
+    ctl = make_controller("radar", policy=str(tmp_path / "m" / "policy"), width=TRACE_W,
+                          chain=str(tmp_path / "m" / "chain.json"), ar_fallback=False)
+    assert simulate(ctl, greedy_traces[:2], lat, measure_policy=False).runs[0].cycles
+    with pytest.raises(ValueError, match="only with traces"):
+        RadarTrainConfig(t_fixed=1.0, t_draft=0.1, width=3)
+    from adaptree.cli import main  # the command line: flags from the config, the tables printed
+
+    latency_of("gpu").save(tmp_path / "gpu.json")
+    assert main(["train", "radar", "--traces", folder, "--latency", str(tmp_path / "cpu.json"), "--family",
+                 str(tmp_path / "gpu.json"), "--costs", "--alphas", "0", "--steps", "2", "--batch-size", "8",
+                 "--hidden", "8", "--max-depth", "3", "--out", str(tmp_path / "c"), "--quiet"]) == 0
+    assert "V per depth" in capsys.readouterr().out
+    assert RadarPolicy.load(tmp_path / "c" / "policy").config.max_depth == 3
+    with pytest.raises(ValueError, match="max_depth must be in 2..5"):
+        train_radar(RadarTrainConfig(out=str(tmp_path / "x"), **{**base, "max_depth": 7}), progress=False)

@@ -79,8 +79,14 @@ def cmd_radar_train(args) -> int:
         print(json.dumps(dict(s)))
         return 0
     print(f"{s['train_cycles']} training / {s['val_cycles']} validation cycles; beta {s['beta']:.4g}")
+    if s.get("size_tables"):
+        print(f"V per depth (reference table {s['reference_sizes']}):")
+        for name, t in s["size_tables"].items():
+            print(f"  {name}: {t['sizes']} (best static: depth {t['reference'][0]}, V {t['reference'][1]})")
     for a, m in s["grid"].items():
-        print(f"  alpha {a:>8}: val throughput {m['throughput']:.4g} tok/s, calls {m['calls']:.2f}, tau {m['tau']:.2f}")
+        speed = f"val speedup {m['speedup']:.4g}x (geometric mean), " if s["chosen_by"] == "speedup" else ""
+        print(f"  alpha {a:>8}: {speed}val throughput {m['throughput']:.4g} tok/s, calls {m['calls']:.2f}, "
+              f"tau {m['tau']:.2f}")
     d = max(int(k.split("_")[1]) for k in s["val_static"] if k.startswith("depth_"))
     st = s["val_static"][f"depth_{d}"]
     print(f"  static depth {d}: val throughput {st['throughput']:.4g} tok/s, calls {st['calls']:.2f}, tau {st['tau']:.2f}")

@@ -27,7 +27,8 @@ already holds (the same tokens down the same path) cost nothing more: ``verify(V
 covers hybrid controllers too, and ``depths`` with AR alone plus chains is the best any ``ngram`` schedule does.
 
 :func:`best_static` evaluates every static (W, D, V) of a grid on the same arrays (all configurations
-walked at once) and returns the one with the least total modelled time over the traces.
+walked at once) and returns the one with the least total modelled time over the traces; :func:`sizes_by_depth`
+reads the best V of every depth off the same grid (the machine's V table a depth policy verifies with).
 :class:`ScheduleController` replays an oracle schedule through the simulator (tests prove it
 reproduces the oracle's time exactly).
 """
@@ -453,6 +454,58 @@ def best_static(traces: PromptTrace | Iterable[PromptTrace], latency: LatencyMod
     grid = [{"width": int(w[i]), "depth": int(d[i]), "size": int(v[i]), "total_s": float(total[i]),
              "speedup": ar / float(total[i]) if total[i] > 0 else 0.0} for i in range(len(total))]
     return StaticChoice(int(w[a]), int(d[a]), int(v[a]), float(total[a]), ar, grid)
+
+
+def sizes_by_depth(traces: PromptTrace | Iterable[PromptTrace], latency: LatencyModel, width: int = 10,
+                   depths: Iterable[int] = range(1, 13), sizes: Sequence[int] = DEFAULT_SIZES,
+                   max_new_tokens: int | None = None) -> dict[int, int]:
+    """Depth -> the V of the static tree (``width``, depth, V) with the least total modelled time over ``traces``:
+    :func:`best_static`'s grid, its best per depth (ties: the smaller V, as there). A depth-limited policy (RADAR)
+    verifies this V when it stops at that depth, so its trees follow the machine's trade-off between acceptance and
+    verification cost. Depths deeper than the traces' ``max_depth`` are left out (no entry)."""
+    if isinstance(traces, PromptTrace):
+        traces = [traces]
+    traces = list(traces)
+    if not traces:
+        raise ValueError("sizes_by_depth needs at least one trace")
+    deepest = min(t.max_depth for t in traces)
+    depths = sorted({int(d) for d in depths if 1 <= int(d) <= deepest})
+    if not depths:
+        raise ValueError(f"no depth in 1..{deepest} (the traces' max_depth) to choose V for")
+    grid = best_static(traces, latency, widths=(width,), depths=depths, sizes=sizes,
+                       max_new_tokens=max_new_tokens).grid
+    best: dict[int, dict] = {}
+    for row in grid:  # (W, D, V) order: the first minimum of a depth is its smallest V
+        d = row["depth"]
+        if d not in best or row["total_s"] < best[d]["total_s"]:
+            best[d] = row
+    return {d: int(best[d]["size"]) for d in depths}
+
+
+def tree_outcomes(trace: PromptTrace, width: int, depths: Iterable[int], sizes: Sequence[int] = DEFAULT_SIZES, *,
+                  chains: int = 0, max_ngram: int = 4, max_new_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """What every static tree (``width``, d, V) of a grid does at every root position ``j < T`` of a greedy trace,
+    the machine left out (accepted lengths and the engine's clamps do not depend on it), for a trainer that prices
+    the same trees under many latency models: the columns ``depth`` and ``size`` ``[A]`` (the requested V; (depth,
+    V) order, V >= 1), and ``accepted`` and ``verified`` ``[T, A]`` (draft tokens accepted, nodes verified after the
+    clamps to the candidates and the context room; both 0 where there is no room to draft: the engine's AR step), as
+    :func:`oracle` and :func:`static_times` see them. With ``chains`` K also ``chain_accepted`` and
+    ``chain_verified``: the same trees with the first K tokens of the context's match verified next to them (as the
+    oracle's chains; nodes = the tree's plus those the chain adds)."""
+    sizes = _sizes_arg(sizes)
+    if sizes == "all":
+        raise ValueError("tree_outcomes needs an explicit list of sizes")
+    sizes = tuple(v for v in sizes if v >= 1) or (1,)
+    zero = LatencyModel([0.0] * 4, [0.0] * 4)  # the outcomes carry no time
+    T = terminal_position(trace, max_new_tokens)
+    act = _actions(trace, zero, T, (int(width),), list(depths), sizes, allow_ar=False)
+    out = {"depth": act.depth, "size": act.requested, "accepted": act.acc, "verified": act.size}
+    if chains:
+        ch = _with_chains(act, trace, zero, T, int(chains), max_ngram)
+        whole = slice(int(chains) * act.depth.size, None)  # the last block: up to K chain tokens
+        out["chain_accepted"] = ch.acc[:, whole]
+        out["chain_verified"] = ch.size[:, whole] + ch.added[:, whole]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- comparison

@@ -377,3 +377,187 @@ class RadarStore(FingerprintedStore):
             cycles += out["header"]["cycles"]
             bar.set_postfix(recorded=done, skipped=skipped, cycles=cycles)
         return {"recorded": done, "skipped": skipped, "cycles": cycles}
+
+
+# --------------------------------------------------------------------------------------------------
+# cycles from greedy traces: any machine, no recording
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MachineSizes:
+    """What one machine (a latency model) makes of the traces: its V per depth and its best static tree."""
+
+    table: dict[int, int]
+    """Depth -> V (:func:`~adaptree.offline.oracle.sizes_by_depth` on the traces)."""
+    depth: int
+    """The best static tree's depth: the reference controller whose trajectory gives the cycles."""
+    size: int
+    """The best static tree's V (``table[depth]``)."""
+
+    def sizes(self, max_depth: int) -> list[int]:
+        """The table as a list, index ``d - 1`` = V at depth ``d`` (``1 .. max_depth``)."""
+        return [self.table[d] for d in range(1, max_depth + 1)]
+
+
+@dataclass
+class _TraceArrays:
+    key: str
+    n: int
+    """Prompt length: the root of position ``j`` has ``n + j`` tokens of context."""
+    positions: int
+    """T: the roots a run visits are ``j < T`` (:func:`~adaptree.offline.oracle.terminal_position`)."""
+    forced_ar: np.ndarray
+    """``[T]`` no room to draft: the engine takes an AR step there (no decision)."""
+    scores: np.ndarray
+    """``[T, D, W]`` beam scores after each draft forward (what ``DraftStep.beam_scores`` holds)."""
+    head_acc: np.ndarray
+    """``[T, A]`` accepted draft tokens of every (depth, V) head tree (A = D x the V grid), after the engine's
+    clamps."""
+    head_size: np.ndarray
+    """``[T, A]`` its V after the clamps."""
+    acc: np.ndarray
+    """``[T, A]`` accepted tokens of the trees the cycles verify (the head tree, and the whole chain with chains)."""
+    nodes: np.ndarray
+    """``[T, A]`` draft nodes those trees verify."""
+    match_length: np.ndarray
+    """``[T]`` the context match's length where a chain is verified, else 0."""
+
+
+class TraceCycles:
+    """RADAR's cycles from greedy traces (:class:`~adaptree.offline.traces.PromptTrace`), for any machine.
+
+    With greedy decoding a cycle's root position is the whole state, and the trace holds the tree at every root:
+    the beam scores after each draft forward and the accepted length of every (depth, V) tree (a point mass), so
+    one recording serves every latency model. What depends on the machine is computed per latency model from
+    arrays built once here:
+
+    * :meth:`machine`: the machine's V per depth, exactly :func:`~adaptree.offline.oracle.sizes_by_depth` (the
+      static grid's total times per (depth, V), walked as :func:`~adaptree.offline.oracle.static_times` walks it;
+      tests check the equality), and its best static tree (the grid's minimum).
+    * :meth:`records`: the cycles as :class:`RadarRecord` objects (what :func:`~adaptree.methods.radar.train.
+      make_episodes` reads): stop point ``k`` verifies ``table[k + 1]`` nodes of the tree of ``k + 1`` levels.
+      The positions are those the machine's best static tree visits (a fixed reference controller, as the
+      T=1 dataset is the trajectory of static EAGLE-3): the roots a good policy for that machine reaches. Every
+      position alike would over-weigh the easy spans (a span accepted in one cycle would count at each of its
+      positions) and so the value of deep trees, the decision being learned.
+
+    Accepted lengths and the engine's clamps (V to the candidates and the context room, AR steps without room) are
+    the oracle's (:func:`~adaptree.offline.oracle.tree_outcomes`; with ``chain_tokens`` the whole context chain
+    verified next to every tree, as the dataset's chains are whole).
+
+    :param width: W (recorded in every trace).
+    :param max_depth: D_max of the episodes (at most the traces').
+    :param sizes: the V grid the tables choose from (the oracle's default).
+    :param chain_tokens: verify the context's chain of up to this many tokens next to every tree (0: none), its
+        matches of n-grams of up to ``max_ngram`` tokens.
+    """
+
+    def __init__(self, traces, width: int, max_depth: int, sizes: Sequence[int] | None = None,
+                 chain_tokens: int = 0, max_ngram: int = 4, max_new_tokens: int | None = None) -> None:
+        from adaptree.offline.oracle import DEFAULT_SIZES, terminal_position, tree_outcomes
+        from adaptree.offline.traces import context_matches, level_offset
+
+        traces = list(traces)
+        if not traces:
+            raise ValueError("no greedy traces to make RADAR's cycles from")
+        if max_depth < 1 or any(t.max_depth < max_depth for t in traces):
+            raise ValueError(f"max_depth must be in 1..{min(t.max_depth for t in traces)} (the traces' max_depth), "
+                             f"got {max_depth}")
+        self.width, self.max_depth = int(width), int(max_depth)
+        self.sizes = tuple(sorted({int(v) for v in (DEFAULT_SIZES if sizes is None else sizes) if int(v) >= 1}))
+        if not self.sizes:
+            raise ValueError(f"sizes needs at least one V >= 1, got {sizes!r}")
+        self.chain_tokens, self.max_ngram = int(chain_tokens), int(max_ngram)
+        depths = range(1, self.max_depth + 1)
+        w = self.width
+        self.arrays: list[_TraceArrays] = []
+        for tr in traces:
+            wt = tr.width(w)
+            T = terminal_position(tr, max_new_tokens)
+            o = tree_outcomes(tr, w, depths, self.sizes, chains=self.chain_tokens, max_ngram=self.max_ngram,
+                              max_new_tokens=max_new_tokens)
+            self.depth_of, self.size_of = o["depth"].astype(np.int64), o["size"].astype(np.int64)  # [A] the grid
+            head_acc, head_size = o["accepted"].astype(np.int32), o["verified"].astype(np.int32)
+            acc, nodes, match = head_acc, head_size, np.zeros(T, np.int32)
+            if self.chain_tokens:
+                acc, nodes = o["chain_accepted"].astype(np.int32), o["chain_verified"].astype(np.int32)
+                for j, m in context_matches(tr.prompt, tr.output.tolist(), T, self.chain_tokens, self.max_ngram):
+                    match[j] = m.length if m is not None else 0
+            pos = np.arange(T)
+            scores = np.stack([np.take_along_axis(wt.scores[:T, level_offset(w, d):], wt.beam[:T, d - 1].astype(
+                np.int64), axis=1) for d in depths], axis=1) if T else np.zeros((0, self.max_depth, w), np.float32)
+            self.arrays.append(_TraceArrays(tr.key, tr.prompt_len, T, tr.max_len - tr.prompt_len - pos <= 1,
+                                            scores.astype(np.float32), head_acc, head_size, acc, nodes, match))
+
+    @property
+    def columns(self) -> int:
+        return int(self.depth_of.size)
+
+    def column(self, depth: int, size: int) -> int:
+        """The column of the tree (``depth``, V = ``size``); V must be one of :attr:`sizes`."""
+        hit = np.flatnonzero((self.depth_of == depth) & (self.size_of == size))
+        if hit.size != 1:
+            raise ValueError(f"no tree of depth {depth} and V={size} in the grid (depths 1..{self.max_depth}, "
+                             f"V in {list(self.sizes)})")
+        return int(hit[0])
+
+    def totals(self, latency) -> np.ndarray:
+        """``[A]`` the modelled seconds of every static (depth, V) head tree over all traces (static_times' walk)."""
+        total = np.zeros(self.columns)
+        d = self.depth_of
+        for a in self.arrays:
+            T = a.positions
+            if T == 0:
+                continue
+            L = (a.n + np.arange(T)).astype(np.float64)
+            step = latency.draft_steps(self.width, L)
+            cost = d * step[:, None] + latency.verify_times(a.head_size, L[:, None]) + latency.other_s
+            cost = np.where(a.forced_ar[:, None], latency.ar_steps(L)[:, None], cost)
+            pos = np.zeros(self.columns, np.int64)
+            spent = np.zeros(self.columns)
+            cols = np.arange(self.columns)
+            active = pos < T
+            while active.any():
+                idx = cols[active]
+                p = pos[idx]
+                spent[idx] += cost[p, idx]
+                pos[idx] = p + a.head_acc[p, idx] + 1
+                active = pos < T
+            total = total + spent
+        return total
+
+    def machine(self, latency) -> MachineSizes:
+        """The machine's V per depth and best static tree on these traces (see the class docstring)."""
+        total = self.totals(latency)
+        table = {}
+        for d in range(1, self.max_depth + 1):
+            cols = np.flatnonzero(self.depth_of == d)  # ascending V
+            table[d] = int(self.size_of[cols[int(np.argmin(total[cols]))]])  # the first minimum: the smaller V
+        best = int(np.argmin(total))  # the grid's (depth, V) order: best_static's tie rule
+        depth = int(self.depth_of[best])
+        return MachineSizes(table, depth, int(self.size_of[best]))
+
+    def records(self, sizes: MachineSizes) -> list[RadarRecord]:
+        """Every trace's cycles for a machine (:meth:`machine`): the roots its best static tree visits (AR steps
+        where there is no room to draft are no cycles), stop point ``k`` verifying ``sizes.table[k + 1]`` nodes."""
+        cols = np.array([self.column(d, v) for d, v in enumerate(sizes.sizes(self.max_depth), start=1)])
+        ref = self.column(sizes.depth, sizes.size)
+        longest = max(self.max_depth, self.chain_tokens)
+        out = []
+        for a in self.arrays:
+            visited, j = [], 0
+            while j < a.positions:
+                if a.forced_ar[j]:
+                    j += 1
+                    continue
+                visited.append(j)
+                j += int(a.acc[j, ref]) + 1
+            pos = np.asarray(visited, np.int64)
+            acc = a.acc[pos][:, cols]  # [P, D]
+            dist = np.zeros((len(pos), self.max_depth, longest + 1), np.float32)
+            np.put_along_axis(dist, acc[..., None].astype(np.int64), 1.0, axis=2)  # greedy: a point mass
+            out.append(RadarRecord(a.key, a.scores[pos], dist, a.nodes[pos][:, cols], (a.n + pos).astype(np.int32),
+                                   a.acc[pos, ref].astype(np.int32), {"reference": [sizes.depth, sizes.size]},
+                                   a.match_length[pos]))
+        return out

@@ -55,6 +55,12 @@ class RadarModelConfig:
     match_features: bool = False
     """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES) to the MLP's state
     input, after the costs."""
+    size_table: bool = False
+    """Trained with every stop point verifying the machine's V for its depth (a V table: the machine setup's
+    ``size_by_depth``, adaptree.offline.oracle.sizes_by_depth); False: EAGLE-3's V = 60 at every depth."""
+    reference_sizes: list[int] | None = None
+    """With size_table: the V per depth (index d - 1) assumed when the machine gives no table (the lower median of
+    the tables of the machines it was validated on)."""
 
     def __post_init__(self) -> None:
         for name in ("width", "max_depth", "hidden", "layers", "mlp_hidden"):
@@ -67,6 +73,13 @@ class RadarModelConfig:
         if not self.score_floor < 0.0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         self.reference_costs = check_costs(self.reference_costs)
+        if self.reference_sizes is not None:
+            self.reference_sizes = [int(v) for v in self.reference_sizes]
+            if len(self.reference_sizes) != self.max_depth or min(self.reference_sizes) < 1:
+                raise ValueError(f"reference_sizes needs one V >= 1 per depth 1..{self.max_depth}, got "
+                                 f"{self.reference_sizes}")
+        if self.size_table and self.reference_sizes is None:
+            raise ValueError("a policy trained with a V table (size_table) needs its reference_sizes")
 
     @property
     def n_costs(self) -> int:

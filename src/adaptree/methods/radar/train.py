@@ -23,6 +23,13 @@ in those units. A grid over ``alpha`` is trained; each policy is evaluated on a 
 prompts by the EXACT expected throughput of its deterministic rule (stop iff P(STOP) >= threshold):
 ``sum_n E[acc_n + 1 | k_n] / sum_n T_n(k_n)`` (tokens per modelled second; no sampling), and the best
 is exported. Everything is CPU minutes; no model but the policy is involved.
+
+Greedy traces instead of the dataset (``traces``): a machine's cycles are the roots its best static tree visits on
+the traces (:class:`~adaptree.methods.radar.dataset.TraceCycles`), stop point ``k`` verifying the machine's V for
+depth ``k + 1`` (:func:`~adaptree.offline.oracle.sizes_by_depth` on the training traces, once per machine) and
+accepting the recorded greedy continuation (a point mass). Over a family every drawn member gets its own table,
+cycles, rewards and cost features; the exported policy says it verifies a machine's V table (``size_table``) and
+stores the lower median of its validation machines' tables for a machine that gives none.
 """
 
 from __future__ import annotations
@@ -61,7 +68,15 @@ class RadarTrainConfig:
     """REINFORCE settings (paper §3.1 and SPEC.md §4 where they give a number)."""
 
     data: str = "runs/radar-data"
-    """A folder written by ``adaptree radar dataset``."""
+    """A folder written by ``adaptree radar dataset`` (not read with ``traces``)."""
+    traces: str | None = None
+    """Train on greedy traces instead (a folder of ``adaptree traces record``, as LTD trains on): every machine's
+    cycles come from the same traces, each stop point verifying that machine's V for its depth
+    (adaptree.offline.oracle.sizes_by_depth); the exported policy then verifies the machine's V table."""
+    width: int | None = at_least(1, None, integer=True)
+    """With traces: the beam width W (one of those recorded; default: the only one recorded)."""
+    max_depth: int | None = at_least(2, None, integer=True)
+    """With traces: D_max, the most draft forwards per cycle (default: the traces' max_depth)."""
     out: str = "runs/radar"
     """Run folder: one sub-folder per alpha (log.csv, checkpoint, policy/), summary.json, policy/ (the best)."""
     alphas: tuple[float, ...] = between(0.0, math.inf, (0.0, 0.003, 0.01, 0.03), hi_open=True)
@@ -107,9 +122,11 @@ class RadarTrainConfig:
     costs: bool = False
     """The policy sees the machine's cost features (adaptree.offline.family); needs a latency model."""
     family: tuple[str, ...] = ()
-    """More measured latency models (JSON files) to train over, next to ``latency``: each training cycle is
-    replicated ``members`` times, each replica on a member drawn at random (perturbed by ``spread``); alpha is
-    chosen by the geometric mean of the validation speedups on the measured models."""
+    """More latency models to train over, next to ``latency``: JSON files, or family indexes (``standard`` or a
+    path ending in family.json: their members not held out). Each training cycle is replicated ``members`` times,
+    each replica on a member drawn at random (perturbed by ``spread``); alpha is chosen by the geometric mean of the
+    validation speedups on ``latency`` and the given models (with an index: on the members it picks for
+    validation)."""
     spread: float = at_least(1.0, 1.0)
     """Perturbation of the family's members: draft step, verification growth and overhead each scaled by a factor
     drawn log-uniformly from [1/spread, spread] (1 = none)."""
@@ -117,9 +134,10 @@ class RadarTrainConfig:
     """Family members drawn per training cycle (with a family)."""
     match: bool = False
     """The policy observes the cycle's context match: needs a dataset recorded with --chain-tokens and a chain
-    calibration (``chain``)."""
+    calibration (``chain``); with traces every tree is verified with the whole 16-token context chain."""
     chain: str | None = None
-    """With match: the chain calibration JSON (the machine setup's chain.json) the match features are read from."""
+    """With match: the chain calibration JSON (the machine setup's chain.json) the match features are read from;
+    with traces and none given, one fitted on the training traces (OUT/chain.json)."""
     seed: int = 0
     resume: bool = False
     """Continue the runs in ``out`` (refused if their settings differ)."""
@@ -136,14 +154,28 @@ class RadarTrainConfig:
         if self.latency is None and self.t_fixed + self.t_draft <= 0.0:
             raise ValueError(f"t_fixed + t_draft must be > 0, got {self.t_fixed} + {self.t_draft}")
         self.family = tuple(str(f) for f in self.family)
-        if self.match and not self.chain:
+        if self.match and not self.chain and not self.traces:
             raise ValueError("match needs a chain calibration (chain=PATH: the machine setup's chain.json)")
+        if not self.traces and (self.width is not None or self.max_depth is not None):
+            raise ValueError("width and max_depth are read from a RADAR dataset: give them only with traces")
         if (self.costs or self.family or self.spread > 1.0) and self.latency is None:
             raise ValueError("cost features and latency families need a latency model (latency=PATH)")
 
     @property
     def uses_family(self) -> bool:
         return bool(self.family) or self.spread > 1.0
+
+    def latency_family(self, latency):
+        """The family trained over (None without one): ``latency`` first, then every entry of ``family`` (a latency
+        model file, or a family index whose members not held out are taken), validated on ``latency`` and the
+        index's validation members (every member when no index is given)."""
+        from adaptree.offline.family import LatencyFamily, load_members
+
+        if not self.uses_family:
+            return None
+        models, names, val = load_members(self.family)
+        return LatencyFamily([latency, *models], self.spread, ["main", *names],
+                             None if val is None else [0, *(i + 1 for i in val)])
 
     def run_settings(self) -> dict:
         """What must match to resume (everything but the bookkeeping fields)."""
@@ -394,15 +426,18 @@ LOG_FIELDS = ("step", "lr", "loss", "return", "calls", "speed", "accepted", "val
 
 
 def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episodes, val: Episodes | list[Episodes],
-                width: int, folder: Path, progress: bool = True,
-                reference_costs: list[float] | None = None) -> tuple[RadarPolicy, dict]:
-    """Train one policy for one alpha in ``folder`` (resuming a checkpoint there when ``cfg.resume``)."""
+                width: int, folder: Path, progress: bool = True, reference_costs: list[float] | None = None,
+                reference_sizes: list[int] | None = None) -> tuple[RadarPolicy, dict]:
+    """Train one policy for one alpha in ``folder`` (resuming a checkpoint there when ``cfg.resume``);
+    ``reference_sizes``: the episodes verify a machine's V per depth (the policy is told so, with these as its
+    fallback table)."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout,
-                            cost_features=cfg.costs, reference_costs=reference_costs, match_features=cfg.match)
+                            cost_features=cfg.costs, reference_costs=reference_costs, match_features=cfg.match,
+                            size_table=reference_sizes is not None, reference_sizes=reference_sizes)
     policy = RadarPolicy(mcfg)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -447,9 +482,27 @@ def load_latency(cfg: RadarTrainConfig):
     return None if cfg.latency is None else LatencyModel.load(cfg.latency)
 
 
-def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
-    """Train the alpha grid on ``cfg.data`` and export the best policy to ``cfg.out/policy``; returns the
-    summary (also written to ``cfg.out/summary.json``)."""
+@dataclass
+class _Source:
+    """What a run trains and validates on, whichever the cycles came from."""
+
+    train: Episodes
+    val: Episodes | list[Episodes]
+    width: int
+    train_prompts: int
+    val_prompts: int
+    note: str | None
+    family: object | None
+    reference_costs: list[float] | None
+    reference_sizes: list[int] | None = None
+    info: dict = field(default_factory=dict)
+    """Summary entries of the source (data/traces folder, settings, fingerprints, V tables)."""
+    chain_calibration: object | None = None
+    """A chain calibration fitted here (traces with match and no ``chain``): written to OUT/chain.json."""
+
+
+def _dataset_source(cfg: RadarTrainConfig, latency) -> _Source:
+    """Episodes from a RADAR dataset (``cfg.data``): V = the dataset's at every stop point."""
     from adaptree.methods.radar.dataset import RadarStore
 
     store = RadarStore(cfg.data)
@@ -459,7 +512,6 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     st = store.settings
     if st.max_depth < 2:
         raise ValueError(f"the dataset has max_depth {st.max_depth}: no decision to learn")
-    latency = load_latency(cfg)
     calibration = None
     if cfg.match:
         from adaptree.methods.common import ChainCalibration
@@ -477,16 +529,13 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     note = None
     if not va:
         va, note = tr, "no validation prompts (too few recorded): alpha chosen on the training cycles"
-    family = reference = None
-    if cfg.uses_family:
-        from adaptree.offline.family import LatencyFamily
-
-        family = LatencyFamily([latency, *(LatencyModel.load(f) for f in cfg.family)], cfg.spread,
-                               ["main", *cfg.family])
+    family = cfg.latency_family(latency)
+    reference = None
+    if family is not None:
         rng = np.random.default_rng(cfg.seed)
         train = Episodes.cat([make_episodes(tr, cfg, st.width, family.sample(rng), calibration)
                               for _ in range(cfg.members)])
-        val = [make_episodes(va, cfg, st.width, m, calibration) for m in family.bases]
+        val = [make_episodes(va, cfg, st.width, m, calibration) for m in family.validation_bases]
         reference = family.reference_costs() if cfg.costs else None
     else:
         train = make_episodes(tr, cfg, st.width, latency, calibration)
@@ -495,6 +544,121 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
             from adaptree.offline.family import cost_features
 
             reference = cost_features(latency, st.width)
+    return _Source(train, val, st.width, len(tr), len(va) if note is None else 0, note, family, reference,
+                   info={"data": str(cfg.data), "dataset_settings": st.to_dict(), "fingerprints": store.fingerprints})
+
+
+CHAIN_TOKENS = 16
+"""With traces and match: the chain verified next to every tree (its whole length, as in a dataset recorded with
+chains): what the controller verifies at most by default with a policy that observes the match."""
+
+
+def _latency_key(model) -> str:
+    return json.dumps([list(model.draft), list(model.verify), model.other_s, model.verify_knots])
+
+
+def _lower_median(values) -> int:
+    v = sorted(int(x) for x in values)
+    return v[(len(v) - 1) // 2]
+
+
+def _trace_source(cfg: RadarTrainConfig, latency, progress: bool = True) -> _Source:
+    """Episodes from greedy traces (``cfg.traces``): every machine's cycles from the same traces
+    (:class:`~adaptree.methods.radar.dataset.TraceCycles`), each with its own V per depth."""
+    from tqdm import tqdm
+
+    from adaptree.core.context import DEFAULT_SELECT
+    from adaptree.methods.radar.dataset import TraceCycles
+    from adaptree.offline.traces import TraceStore
+
+    if latency is None:
+        raise ValueError("training on traces needs a latency model (latency=PATH): each machine's V table and "
+                         "rewards come from one")
+    store = TraceStore(cfg.traces)
+    traces = store.load_all()
+    if not traces:
+        raise ValueError(f"no traces in {cfg.traces}")
+    st = store.settings
+    width = cfg.width
+    if width is None:
+        if len(st.widths) != 1:
+            raise ValueError(f"{cfg.traces} holds the widths {list(st.widths)}: pick one with width=W")
+        width = st.widths[0]
+    if width not in st.widths:
+        raise ValueError(f"width W={width} was not recorded in {cfg.traces} (recorded: {list(st.widths)})")
+    depth = st.max_depth if cfg.max_depth is None else cfg.max_depth
+    if not 2 <= depth <= st.max_depth:
+        raise ValueError(f"max_depth must be in 2..{st.max_depth} (the traces'), got {depth}")
+    tr, va = split_records(traces, cfg.val_fraction, cfg.seed)
+    if not tr:
+        raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(traces)}")
+    note = None
+    if not va:
+        va, note = tr, "no validation prompts (too few traces): alpha chosen on the training cycles"
+    calibration = fitted = None
+    chain = {}
+    if cfg.match:
+        from adaptree.methods.common import ChainCalibration
+
+        calibration = ChainCalibration.load(cfg.chain) if cfg.chain else ChainCalibration.fit(tr)
+        fitted = None if cfg.chain else calibration
+        if calibration.select != DEFAULT_SELECT:
+            raise ValueError(f"the chain calibration picks occurrences by {calibration.select!r}; chains from traces "
+                             f"are the oracle's ({DEFAULT_SELECT!r})")
+        calibration = calibration.at(0.0)  # greedy traces: the rates of greedy verification
+        chain = {"chain_tokens": CHAIN_TOKENS, "max_ngram": calibration.max_ngram}
+    bar = tqdm(total=2, desc="radar trace tables", unit="set", disable=not progress)
+    train_cycles = TraceCycles(tr, width, depth, **chain)
+    bar.update()
+    val_cycles = TraceCycles(va, width, depth, **chain)
+    bar.update()
+    bar.close()
+    machines: dict[str, object] = {}
+
+    def sizes_of(model):  # each machine's V table from the training traces, once
+        key = _latency_key(model)
+        if key not in machines:
+            machines[key] = train_cycles.machine(model)
+        return machines[key]
+
+    def episodes(cycles, model) -> Episodes:
+        return make_episodes(cycles.records(sizes_of(model)), cfg, width, model, calibration)
+
+    family = cfg.latency_family(latency)
+    if family is not None:
+        rng = np.random.default_rng(cfg.seed)
+        members = [family.sample(rng) for _ in range(cfg.members)]
+        train = Episodes.cat([episodes(train_cycles, m) for m in tqdm(members, desc="radar members", unit="member",
+                                                                       disable=not progress)])
+        bases = family.validation_bases
+        names = [family.names[i] for i in family.validation] if family.validation is not None else family.names
+        val = [episodes(val_cycles, m) for m in bases]
+        reference_costs = family.reference_costs() if cfg.costs else None
+    else:
+        train = episodes(train_cycles, latency)
+        bases, names = [latency], ["main"]
+        val = episodes(val_cycles, latency)
+        reference_costs = None
+        if cfg.costs:
+            from adaptree.offline.family import cost_features
+
+            reference_costs = cost_features(latency, width)
+    tables = {n: sizes_of(m) for n, m in zip(names, bases)}
+    reference_sizes = [_lower_median(t.table[d] for t in tables.values()) for d in range(1, depth + 1)]
+    info = {"data": None, "traces": str(cfg.traces), "dataset_settings": st.to_dict(),
+            "fingerprints": store.fingerprints, "max_depth": depth, "reference_sizes": reference_sizes,
+            "size_tables": {n: {"sizes": t.sizes(depth), "reference": [t.depth, t.size]} for n, t in tables.items()},
+            "members": len(machines)}
+    return _Source(train, val, width, len(tr), len(va) if note is None else 0, note, family, reference_costs,
+                   reference_sizes, info, fitted)
+
+
+def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
+    """Train the alpha grid on ``cfg.data`` (or ``cfg.traces``) and export the best policy to ``cfg.out/policy``;
+    returns the summary (also written to ``cfg.out/summary.json``)."""
+    latency = load_latency(cfg)
+    src = _trace_source(cfg, latency, progress) if cfg.traces else _dataset_source(cfg, latency)
+    train, val, family = src.train, src.val, src.family
     score = "speedup" if family is not None else "throughput"
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -502,6 +666,8 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
     if (out / "train_config.json").exists() and not cfg.resume:
         raise ValueError(f"{out} already holds a RADAR run; pass --resume to continue it or use another --out")
     pin_settings(out, settings, "a RADAR run", name="train_config.json")
+    if src.chain_calibration is not None:
+        src.chain_calibration.save(out / "chain.json")
     always = evaluate_stops(train, torch.full((len(train),), train.depth - 1, dtype=torch.long))
     beta = cfg.beta if cfg.beta is not None else 1.0 / always["speedup"]
     results = {}
@@ -511,19 +677,21 @@ def train_radar(cfg: RadarTrainConfig, progress: bool = True) -> TrainingResult:
         if cfg.resume and final_path.exists() and (folder / "policy" / "model.safetensors").exists():
             results[alpha] = json.loads(final_path.read_text())
             continue
-        _, final = train_alpha(cfg, alpha, beta, train, val, st.width, folder, progress, reference)
+        _, final = train_alpha(cfg, alpha, beta, train, val, src.width, folder, progress, src.reference_costs,
+                               src.reference_sizes)
         write_json(final, final_path)
         results[alpha] = final
     best = max(cfg.alphas, key=lambda a: (results[a][score], -a))
     chosen = RadarPolicy.load(out / f"alpha_{best:g}" / "policy")
     chosen.save(out / "policy", {"alpha": best, "beta": beta, "validation": results[best],
-                                 "dataset_settings": st.to_dict(), "fingerprints": store.fingerprints, **settings})
-    summary = {"data": str(cfg.data), "train_cycles": len(train), "val_cycles": len(val),
-               "train_prompts": len(tr), "val_prompts": len(va) if note is None else 0, "note": note,
+                                 "dataset_settings": src.info["dataset_settings"],
+                                 "fingerprints": src.info["fingerprints"], **settings})
+    val_cycles = sum(len(e) for e in val) if isinstance(val, list) else len(val)
+    summary = {**src.info, "train_cycles": len(train), "val_cycles": val_cycles,
+               "train_prompts": src.train_prompts, "val_prompts": src.val_prompts, "note": src.note,
                "beta": beta, "chosen_alpha": best, "policy": str(out / "policy"),
                "grid": {f"{a:g}": results[a] for a in cfg.alphas}, "chosen_by": score,
-               "val_static": static_baselines(val if family is None else val[0]),
-               "settings": settings, "dataset_settings": st.to_dict(),
+               "val_static": static_baselines(val if family is None else val[0]), "settings": settings,
                **({"family": family.describe()} if family is not None else {})}
     return TrainingResult.written(summary, out, out / "policy")
 
