@@ -544,3 +544,92 @@ def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models
         LTDConfig(probe_every=0)
     with pytest.raises(ValueError, match="smoothing"):
         ARGate(smoothing=0.0)
+
+
+# ------------------------------------------------------------------------------------------ the machine's static tree
+
+
+def test_machine_tree_is_the_best_static_tree_and_its_best_v_per_depth(traces, tmp_path):
+    from adaptree.methods.common import MachineTree
+    from adaptree.offline.oracle import best_static, sizes_by_depth
+
+    mt = MachineTree.fit(traces, CHEAP_DRAFT, width=W, max_depth=DMAX)
+    best = best_static(traces, CHEAP_DRAFT, widths=(W,), depths=range(1, DMAX + 1))
+    assert (mt.depth, mt.size) == (best.depth, best.size)
+    assert mt.size_by_depth == sizes_by_depth(traces, CHEAP_DRAFT, W, range(1, DMAX + 1))
+    assert mt.size_at(mt.depth) == mt.size and mt.size_at(DMAX + 5) == mt.size_by_depth[DMAX]
+    assert mt.relative_size(2, 1.0) == mt.size_at(2) and mt.relative_size(2, 0.01) == 1
+    assert MachineTree.from_dict(mt.to_dict()) == mt
+    old = MachineTree.from_dict({"width": W, "depth": 2, "size": 6})  # a setup's file from before size_by_depth
+    assert old.size_at(1) == old.size_at(5) == 6
+    (tmp_path / "bad.json").write_text('{"depth": 0, "size": 3}')
+    with pytest.raises(ValueError, match="bad.json"):
+        MachineTree.load(tmp_path / "bad.json")
+
+
+def _factor_policy(obs: LTDObservation, action: int) -> MLPPolicy:
+    """A size policy that always picks ``action``."""
+    from adaptree.methods.common import SIZE_FACTORS
+
+    torch.manual_seed(0)
+    pol = MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, list(SIZE_FACTORS), [4],
+                                    observation=obs.to_dict())).eval()
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.zero_()
+        pol.head.bias[action] = 1.0
+    return pol
+
+
+def test_relative_sizes_scale_the_machines_v_at_the_trees_depth(traces, tmp_path):
+    import dataclasses
+
+    from adaptree.methods.common import SIZE_FACTORS, MachineTree
+    from adaptree.methods.common.machine_tree import META_KEY, attach
+
+    obs = LTDObservation(width=W, max_depth=DMAX, use_tree=True, relative_sizes=True)
+    assert obs.size_dim == OBS.size_dim + 2 and obs.depth_dim == OBS.depth_dim + 2
+    with pytest.raises(ValueError, match="use_tree"):
+        LTDObservation(relative_sizes=True)
+    lat = dataclasses.replace(CHEAP_DRAFT, meta={})
+    attach([lat], traces, W, DMAX)
+    mt = MachineTree.of(lat)
+    ctl = LTDController(LTDConfig(width=W, depth=3, mode="size", ar_fallback=False),
+                        size_policy=_factor_policy(obs, SIZE_FACTORS.index(2.0)))
+    res = simulate(ctl, traces, lat, measure_policy=False)
+    for c in (c for r in res.runs for c in r.cycles if c.depth == 3):
+        assert c.size == min(mt.relative_size(3, 2.0), c.candidates)
+    # at inference the tree comes from the machine setup's static_gs.json (``tuned``); without one: an error
+    (tmp_path / "tuned.json").write_text(json.dumps({"width": W, **mt.to_dict()}))
+    plain = dataclasses.replace(CHEAP_DRAFT, meta={})
+    ctl = LTDController(LTDConfig(width=W, depth=3, mode="size", ar_fallback=False, tuned=str(tmp_path / "tuned.json")),
+                        size_policy=_factor_policy(obs, SIZE_FACTORS.index(1.0)))
+    sizes = {c.size for r in simulate(ctl, traces, plain, measure_policy=False).runs for c in r.cycles}
+    assert sizes <= {mt.size_at(3), num_candidates_at(3)}
+    bare = LTDController(LTDConfig(width=W, depth=3, mode="size", ar_fallback=False),
+                         size_policy=_factor_policy(obs, 0))
+    with pytest.raises(ValueError, match="--ltd-tuned"):
+        simulate(bare, traces, plain, measure_policy=False)
+    assert META_KEY not in plain.meta
+
+
+def num_candidates_at(depth: int) -> int:
+    from adaptree.offline.traces import num_candidates
+
+    return num_candidates(W, depth)
+
+
+def test_training_with_the_machine_tree(traces, tmp_path):
+    from adaptree.methods.common import SIZE_FACTORS
+    from adaptree.methods.ltd.train import train_ltd
+
+    DEAR_DRAFT.save(tmp_path / "dear.json")
+    cfg = tiny_train_config(tmp_path / "run", costs=True, machine_tree=True, depth_partner="size",
+                            family=(str(tmp_path / "dear.json"),), iterations=1)
+    s = train_ltd(cfg, traces, CHEAP_DRAFT, progress=False)
+    size = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
+    assert size.config.actions == list(SIZE_FACTORS)
+    assert LTDObservation.from_dict(size.config.observation).relative_sizes
+    assert len(s["chosen"]["per_machine"]) == 2
+    with pytest.raises(ValueError, match="depth-partner"):
+        tiny_train_config(tmp_path / "x", only="depth", depth_partner="size")

@@ -148,13 +148,13 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,),
            machine_options=("latency", "chain", "tuned")),
     Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
-           machine_options=("latency", "depth_policy", "size_policy", "chain")),
+           machine_options=("latency", "depth_policy", "size_policy", "chain", "tuned")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],
-           machine_options=("latency", "depth_policy", "chain")),
+           machine_options=("latency", "depth_policy", "chain", "tuned")),
     Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"],
-           machine_options=("latency", "size_policy", "chain")),
+           machine_options=("latency", "size_policy", "chain", "tuned")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
-           machine_options=("latency", "chain")),
+           machine_options=("latency", "chain", "tuned")),
 )}
 """Method name -> registry entry, in the order the docs list them."""
 

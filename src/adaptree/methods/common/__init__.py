@@ -6,6 +6,8 @@
   accepted; plain JSON, strict loading), :class:`ChainRule` and :class:`ChainSeam` (a context chain next to a
   policy's tree), :data:`MATCH_FEATURES` (what a policy observes of the match)
 - :mod:`.ar_gate`: :class:`ARGate` (AR steps while the policies' trees do not pay on this machine)
+- :mod:`.machine_tree`: :class:`MachineTree` (the machine's best static tree and best V per depth, as policy inputs
+  and as the scale of relative size actions)
 """
 
 from adaptree.methods.common.ar_gate import ARGate
@@ -19,7 +21,8 @@ from adaptree.methods.common.chain import (
     match_values,
     shared_ranks,
 )
+from adaptree.methods.common.machine_tree import SIZE_FACTORS, MachineTree
 from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam
 
 __all__ = ["ARGate", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
-           "MATCH_FEATURES", "SAMPLED_TEMPERATURES", "match_values", "shared_ranks"]
+           "MATCH_FEATURES", "MachineTree", "SAMPLED_TEMPERATURES", "SIZE_FACTORS", "match_values", "shared_ranks"]

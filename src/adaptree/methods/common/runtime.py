@@ -20,6 +20,7 @@ from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.methods.common.ar_gate import ARGate
 from adaptree.methods.common.chain import ChainCalibration, ChainRule, ChainSeam
+from adaptree.methods.common.machine_tree import MachineTree
 
 
 @dataclass(kw_only=True)
@@ -42,6 +43,10 @@ class LearnedRuntime:
     chain_tokens: int | None = at_least(0, None, integer=True)
     """Longest context chain verified per cycle next to the policies' tree (adaptree.methods.common.ChainRule).
     Default: 16 with policies that observe the context match, else none (0)."""
+    tuned: str | None = None
+    """The machine's static tree (the machine setup's static_gs.json: its depth and best V per depth), for policies
+    that observe it (adaptree.methods.common.machine_tree); a latency model that carries one (a family member in
+    training) wins."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # the method's own fields too (adaptree.core.config)
@@ -64,12 +69,16 @@ class LearnedSeam(ChainSeam):
     smallest: tuple[int, int, int]
     """(width, size, max depth) of the policies' smallest tree: what the AR gate prices a probe at."""
 
+    machine_tree: MachineTree | None = None
+    """The machine's static tree (``tuned``, or the latency model's own), for policies that observe it."""
+
     def start_runtime(self, config: LearnedRuntime, chain_calibration: ChainCalibration | None,
                       observes: bool) -> None:
-        """The chain rule and the AR gate ``config`` asks for (``chain_calibration``: a loaded one instead of
-        ``config.chain``; ``observes``: the policies observe the context match)."""
+        """The chain rule, the AR gate and the machine tree ``config`` asks for (``chain_calibration``: a loaded one
+        instead of ``config.chain``; ``observes``: the policies observe the context match)."""
         self.chain_rule = ChainRule.of(config, chain_calibration, observes, self.name)
         self.gate = ARGate.of(config)
+        self.machine_tree = MachineTree.load(config.tuned) if config.tuned else None
 
     def load_latency(self, config: LearnedRuntime) -> None:
         """:meth:`use_latency` of ``config.latency`` (checked) when it names one."""
@@ -79,6 +88,9 @@ class LearnedSeam(ChainSeam):
             self.use_latency(load_checked(config.latency, quiet=True))
 
     def use_latency(self, latency) -> None:
+        tree = MachineTree.of(latency)
+        if tree is not None:
+            self.machine_tree = tree
         if self.gate is not None:
             self.gate.latency = latency
         if self.chain_rule is not None:
@@ -95,6 +107,13 @@ class LearnedSeam(ChainSeam):
     def begin_chain(self, ctx: CycleContext) -> tuple[int, ...]:
         """The cycle's chain (empty without a chain rule or a match); :meth:`match_features` then describe it."""
         return self.chain_rule.begin(ctx) if self.chain_rule is not None else ()
+
+    def require_tree(self) -> MachineTree:
+        """The machine tree, for policies that observe it; a ValueError naming the flag without one."""
+        if self.machine_tree is None:
+            raise ValueError(f"this {self.name} policy observes the machine's static tree: give it the machine setup's "
+                             f"static_gs.json (--{self.name.split('-')[0]}-tuned PATH; `adaptree adapt` makes one)")
+        return self.machine_tree
 
     def match_features(self, observes: bool) -> list[float] | None:
         """The cycle's match features for policies that observe them (``observes``), else None."""

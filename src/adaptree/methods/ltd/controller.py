@@ -45,7 +45,8 @@ import torch
 from adaptree.core.config import choice
 from adaptree.core.controller import Controller, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
-from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, match_values
+from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, MachineTree, match_values
+from adaptree.methods.common.machine_tree import FEATURES as TREE_FEATURES
 
 STOP, CONTINUE = 0, 1
 LTD_SIZES = tuple(range(20, 241, 20))
@@ -77,9 +78,16 @@ class LTDObservation:
     """The cost features assumed when no latency model is given (the training family's median)."""
     use_match: bool = False
     """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES)."""
+    use_tree: bool = False
+    """Append what the machine's static tree says at the current depth (adaptree.methods.common.machine_tree)."""
+    relative_sizes: bool = False
+    """The size policy's actions are factors of the machine tree's best V at the tree's depth
+    (adaptree.methods.common.SIZE_FACTORS), not V values."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
+        if self.relative_sizes and not self.use_tree:
+            raise ValueError("relative_sizes needs use_tree: the factors scale the machine tree's V")
         if not self.score_floor < 0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         if self.score_scale <= 0 or self.length_scale <= 0:
@@ -107,7 +115,7 @@ class LTDObservation:
         from adaptree.offline.family import COST_FEATURES
 
         return (int(self.use_depth) + int(self.use_length) + (len(COST_FEATURES) if self.use_costs else 0)
-                + (len(MATCH_FEATURES) if self.use_match else 0))
+                + (len(MATCH_FEATURES) if self.use_match else 0) + (len(TREE_FEATURES) if self.use_tree else 0))
 
     def costs_of(self, latency) -> list[float] | None:
         """The cost features of ``latency`` for this observation (None when it does not use them)."""
@@ -129,9 +137,10 @@ class LTDObservation:
         return self.score_floor * self.score_scale
 
     def _parts(self, scores: torch.Tensor, n: int, depth: int, context_len: int, costs: list[float] | None = None,
-               match: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the sorted, clamped, scaled scores; the extras D, L, the costs and the match features): the observation
-        without its padding."""
+               match: list[float] | None = None, machine: MachineTree | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sorted, clamped, scaled scores; the extras D, L, the costs, the match and the machine tree's features):
+        the observation without its padding."""
         s = scores.detach().float().reshape(-1).cpu()
         if s.numel() > n:
             raise ValueError(f"{s.numel()} scores do not fit the observation's {n} slots "
@@ -146,29 +155,46 @@ class LTDObservation:
             extras += list(costs_or_reference(costs, self.reference_costs, "ltd"))
         if self.use_match:
             extras += match_values(match, "LTD")
+        if self.use_tree:
+            if machine is None:
+                raise ValueError("this LTD policy observes the machine's static tree: give it the machine setup's "
+                                 "static_gs.json (--ltd-tuned PATH)")
+            extras += machine.features(depth, self.max_depth)
         return head, torch.tensor(extras, dtype=torch.float32)
 
-    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int,
-                costs: list[float] | None, match: list[float] | None) -> torch.Tensor:
-        head, tail = self._parts(scores, n, depth, context_len, costs, match)
+    def _vector(self, scores: torch.Tensor, n: int, depth: int, context_len: int, costs: list[float] | None,
+                match: list[float] | None, machine: MachineTree | None) -> torch.Tensor:
+        head, tail = self._parts(scores, n, depth, context_len, costs, match, machine)
         return torch.cat([head, torch.full((n - head.numel(),), self.pad_value), tail])
 
-    def depth_obs(self, step: DraftStep, costs: list[float] | None = None,
-                  match: list[float] | None = None) -> torch.Tensor:
+    def depth_obs(self, step: DraftStep, costs: list[float] | None = None, match: list[float] | None = None,
+                  machine: MachineTree | None = None) -> torch.Tensor:
         """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L
-        (and the costs, the match features)."""
-        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs, match)
+        (and the costs, the match features, the machine tree's features)."""
+        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs, match, machine)
 
-    def size_obs(self, tree: DraftTree, costs: list[float] | None = None,
-                 match: list[float] | None = None) -> torch.Tensor:
+    def size_obs(self, tree: DraftTree, costs: list[float] | None = None, match: list[float] | None = None,
+                 machine: MachineTree | None = None) -> torch.Tensor:
         """π_V's input once drafting stopped: every candidate's cumulative log-prob, D, L (and the costs, the match
-        features)."""
-        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match)
+        features, the machine tree's features)."""
+        return self._vector(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match,
+                            machine)
 
-    def size_parts(self, tree: DraftTree, costs: list[float] | None = None,
-                   match: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def size_parts(self, tree: DraftTree, costs: list[float] | None = None, match: list[float] | None = None,
+                   machine: MachineTree | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`size_obs` without the padding, for :meth:`~adaptree.offline.policy.MLPPolicy.act_padded`."""
-        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match)
+        return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match,
+                           machine)
+
+    def size_of(self, action_value: float, depth: int, machine: MachineTree | None) -> int:
+        """V of a size action's value (the policy config's ``actions`` entry): the V itself, or with
+        ``relative_sizes`` that factor of the machine tree's best V at ``depth``."""
+        if not self.relative_sizes:
+            return int(action_value)
+        if machine is None:
+            raise ValueError("this LTD size policy chooses V relative to the machine's static tree: give it the "
+                             "machine setup's static_gs.json (--ltd-tuned PATH)")
+        return machine.relative_size(depth, float(action_value))
 
 
 @dataclass
@@ -238,7 +264,7 @@ class LTDController(LearnedSeam, Controller):
         if cfg.mode in ("both", "size"):
             self.size_policy = size_policy or _load("size", cfg.size_policy)
             self.size_obs = LTDObservation.from_dict(self.size_policy.config.observation)
-            self.sizes = [int(v) for v in self.size_policy.config.actions]
+            self.sizes = [float(v) if self.size_obs.relative_sizes else int(v) for v in self.size_policy.config.actions]
             obs.append(self.size_obs)
         for o in obs:
             if o.width != cfg.width:
@@ -254,7 +280,8 @@ class LTDController(LearnedSeam, Controller):
         self.observes = any(o.use_match for o in obs)
         self.start_runtime(cfg, chain_calibration, self.observes)
         self.match: list[float] | None = None
-        min_size = min(self.sizes) if self.size_policy is not None else self.plan.size
+        min_size = 1 if self.size_policy is not None and self.size_obs.relative_sizes else (
+            min(self.sizes) if self.size_policy is not None else self.plan.size)
         self.smallest = (self.plan.width, min_size, self.plan.max_depth)
         self.load_latency(cfg)
 
@@ -268,11 +295,13 @@ class LTDController(LearnedSeam, Controller):
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:
             return True
-        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs, self.match)) == CONTINUE
+        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs, self.match,
+                                                              self.machine_tree)) == CONTINUE
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:
             return plan.size
-        head, tail = self.size_obs.size_parts(tree, self.size_costs, self.match)  # mostly padding: skip multiplying it
-        return self.sizes[self.size_policy.act_padded(head, self.size_obs.pad_value, self.size_obs.max_candidates,
-                                                      tail)]
+        obs = self.size_obs
+        head, tail = obs.size_parts(tree, self.size_costs, self.match, self.machine_tree)  # mostly padding: skipped
+        a = self.size_policy.act_padded(head, obs.pad_value, obs.max_candidates, tail)
+        return obs.size_of(self.sizes[a], tree.depth, self.machine_tree)

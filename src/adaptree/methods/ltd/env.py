@@ -9,6 +9,7 @@ import numpy as np
 
 from adaptree.core.controller import Controller, CycleContext, TreePlan
 from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.methods.common import MachineTree
 from adaptree.offline.envs import CycleEnv
 
 
@@ -16,10 +17,14 @@ class _LTDEnv(CycleEnv):
     """The cost features of the generation's latency model, for observations that use them."""
 
     costs: list[float] | None = None
+    machine: MachineTree | None = None
+    """The generation's machine tree (its latency model's, adaptree.methods.common.machine_tree), for observations
+    that use it."""
 
     def use_latency(self, latency) -> None:
         super().use_latency(latency)
         self.costs = self.obs_spec.costs_of(latency)
+        self.machine = MachineTree.of(latency)
 
     def match(self) -> list[float] | None:
         """The cycle's match features, for observations that use them (the environment's chain rule has them)."""
@@ -45,7 +50,7 @@ class DepthEnv(_LTDEnv):
         super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
 
     def observe(self, step: DraftStep) -> np.ndarray:
-        return self.obs_spec.depth_obs(step, self.costs, self.match()).numpy()
+        return self.obs_spec.depth_obs(step, self.costs, self.match(), self.machine).numpy()
 
 
 class SizeEnv(_LTDEnv):
@@ -57,17 +62,21 @@ class SizeEnv(_LTDEnv):
 
     decision = "size"
 
-    def __init__(self, source, observation, inner, sizes: Sequence[int], **kwargs) -> None:
-        self.obs_spec, self.sizes = observation, [int(v) for v in sizes]
-        if not self.sizes or min(self.sizes) < 1:
-            raise ValueError(f"sizes must be a non-empty list of V >= 1, got {sizes!r}")
+    def __init__(self, source, observation, inner, sizes: Sequence[float], **kwargs) -> None:
+        self.obs_spec = observation
+        self.sizes = [float(v) if observation.relative_sizes else int(v) for v in sizes]
+        if not self.sizes or min(self.sizes) <= 0 or (not observation.relative_sizes and min(self.sizes) < 1):
+            raise ValueError(f"sizes must be a non-empty list of V >= 1 (factors > 0 with relative sizes), got "
+                             f"{sizes!r}")
         super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
+        self._depth = 1
 
     def observe(self, tree: DraftTree) -> np.ndarray:
-        return self.obs_spec.size_obs(tree, self.costs, self.match()).numpy()
+        self._depth = tree.depth  # what a relative size action scales
+        return self.obs_spec.size_obs(tree, self.costs, self.match(), self.machine).numpy()
 
     def size_of(self, action: int) -> int:
-        return self.sizes[action]
+        return self.obs_spec.size_of(self.sizes[action], self._depth, self.machine)
 
 
 class RandomDepthController(Controller):

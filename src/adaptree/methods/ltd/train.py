@@ -6,7 +6,7 @@ Stages (SPEC.md §2), each a PPO run on a gymnasium environment of :mod:`adaptre
 stage           learns  the other decision                                          validated as
 ==============  ======  =========================================================  ======================
 stage1-size     π_V     depth uniform in 1..max_depth (RandomDepthController)        ltd-size, depth 8
-stage1-depth    π_D     V = 60 (EAGLE-3's)                                            ltd-depth, V 60
+stage1-depth    π_D     V = 60 (EAGLE-3's), or π_V of stage1-size (``depth_partner``)  ltd-depth, V 60 / ltd
 iter1-size      π_V     π_D of stage1-depth, frozen                                   ltd (both)
 iter2-depth     π_D     π_V of iter1-size, frozen                                     ltd (both)
 iter3-size      π_V     π_D of iter2-depth, frozen                                    ltd (both)
@@ -41,6 +41,7 @@ whether they suffice).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import torch
 
 from adaptree.core.config import at_least, between, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
-from adaptree.methods.common import ChainCalibration, ChainRule
+from adaptree.methods.common import SIZE_FACTORS, ChainCalibration, ChainRule
 from adaptree.methods.ltd.controller import (
     LTD_SIZES,
     LTDConfig,
@@ -88,6 +89,10 @@ class LTDTrainConfig:
     """Largest depth the depth policy may reach (LTD: 12)."""
     fixed_size: int = positive(60)
     """V while the depth policy trains alone (stage 1; EAGLE-3's 60)."""
+    depth_partner: str = choice(("fixed", "size"), "fixed")
+    """What decides V while π_D trains in stage 1: fixed = ``fixed_size`` (EAGLE-3's 60, the paper); size = the
+    stage-1 size policy (over a family of machines no one V suits every member: with V = 60 the depth policy only
+    learns that deep trees lose where 60 nodes cost much)."""
     fixed_depth: int = positive(8)
     """Depth when the size policy is validated alone (EAGLE-3's 8)."""
     sizes: tuple[int, ...] = LTD_SIZES
@@ -144,6 +149,10 @@ class LTDTrainConfig:
     calibration is fitted on the training traces, ``OUT/chain.json``)."""
     chain_tokens: int = positive(16, integer=True)
     """With ``match``: the longest context chain per cycle."""
+    machine_tree: bool = False
+    """The policies see the machine's static tree (its depth, the best V at the current depth) and the size policy
+    chooses V as a factor of that V (adaptree.methods.common.SIZE_FACTORS; ``sizes`` is then unused): each family
+    member's tree is fitted on the training traces, the machine setup's static_gs.json gives it at inference."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -161,6 +170,8 @@ class LTDTrainConfig:
         if len(self.sizes) < 2 or min(self.sizes) < 1:
             raise ValueError(f"sizes needs at least 2 values >= 1, got {self.sizes}")
         self.family = tuple(str(f) for f in self.family)
+        if self.only == "depth" and self.depth_partner == "size":
+            raise ValueError("--only depth trains the depth policy alone: it needs --depth-partner fixed")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")
@@ -168,7 +179,12 @@ class LTDTrainConfig:
     def observation(self, reference_costs: list[float] | None = None) -> LTDObservation:
         return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
                               use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs,
-                              use_match=self.match)
+                              use_match=self.match, use_tree=self.machine_tree, relative_sizes=self.machine_tree)
+
+    @property
+    def size_actions(self) -> list:
+        """The size policy's actions: V values, or factors of the machine tree's V (``machine_tree``)."""
+        return list(SIZE_FACTORS) if self.machine_tree else list(self.sizes)
 
     def stages(self) -> list[str]:
         if self.only:
@@ -231,7 +247,7 @@ class _Stage:
     def policy_config(self) -> MLPPolicyConfig:
         c, obs = self.cfg, self.obs
         if self.kind == "size":
-            return MLPPolicyConfig("ltd-size", obs.size_dim, list(c.sizes), list(c.size_pi), "tanh", obs.to_dict())
+            return MLPPolicyConfig("ltd-size", obs.size_dim, c.size_actions, list(c.size_pi), "tanh", obs.to_dict())
         return MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(c.depth_pi), "tanh",
                                obs.to_dict())
 
@@ -261,7 +277,7 @@ class _Stage:
         c, obs = self.cfg, self.obs
         chain = ChainRule(self.chain_cal, c.chain_tokens) if c.match else None  # one per environment: it has state
         if self.kind == "size":
-            return SizeEnv(source, obs, self.inner, sizes=c.sizes, reward=c.reward, seed=seed, chain=chain)
+            return SizeEnv(source, obs, self.inner, sizes=c.size_actions, reward=c.reward, seed=seed, chain=chain)
         return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed, chain=chain)
 
 
@@ -378,11 +394,12 @@ def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
     pair = {f"init-{k}": MLPPolicy.load(folder / k, kind=f"ltd-{k}") for k in ("depth", "size")}
     for name, p in pair.items():
         o = LTDObservation.from_dict(p.config.observation)
-        if (o.width, o.max_depth, o.use_costs, o.use_match) != (cfg.width, cfg.max_depth, cfg.costs, cfg.match):
+        if (o.width, o.max_depth, o.use_costs, o.use_match, o.use_tree) != (cfg.width, cfg.max_depth, cfg.costs,
+                                                                              cfg.match, cfg.machine_tree):
             raise ValueError(f"{folder}/{name[5:]}: the policy was trained with W={o.width}, max_depth={o.max_depth}, "
                              f"costs={o.use_costs}, match={o.use_match}; this run has W={cfg.width}, "
                              f"max_depth={cfg.max_depth}, costs={cfg.costs}, match={cfg.match}")
-    if list(pair["init-size"].config.actions) != list(cfg.sizes):
+    if list(pair["init-size"].config.actions) != cfg.size_actions:
         raise ValueError(f"{folder}/size chooses V from {pair['init-size'].config.actions}, this run from "
                          f"{list(cfg.sizes)} (pass --sizes to match)")
     return pair
@@ -408,11 +425,17 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     fps = traces[0].fingerprints if traces else {}
+    if cfg.machine_tree:  # its machine tree goes into the model's meta: the caller's object stays as it was
+        latency = dataclasses.replace(latency, meta=dict(latency.meta))
     family = cfg.latency_family(latency)
     settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")}, family)
     pin_settings(out, settings, "an LTD run")
     train, val = split_traces(traces, cfg.val_fraction, cfg.seed)
     chain_cal = _chain_calibration(cfg, train, out)
+    if cfg.machine_tree:  # every machine's static tree, fitted on the training prompts (a setup fits its own)
+        from adaptree.methods.common.machine_tree import attach
+
+        attach(family.bases if family is not None else [latency], train, cfg.width, cfg.max_depth, progress=progress)
     if live_source is not None and cfg.costs:
         live_source.latency = latency
     source = live_source or SimSource(train, latency, family=family)
@@ -429,7 +452,8 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     for name in cfg.stages():
         kind = "size" if name.endswith("size") else "depth"
         other = "depth" if kind == "size" else "size"
-        partner = policies[last_of[other]] if name.startswith("iter") else None
+        partner = policies[last_of[other]] if name.startswith("iter") or (
+            name == "stage1-depth" and cfg.depth_partner == "size") else None
         stage = _Stage(name, cfg, partner, obs, chain_cal)
         folder = out / name
         done = folder / "result.json"
