@@ -3,6 +3,7 @@ seeded temperature sampling, strict policy files, the CLI flags and `adaptree tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
@@ -12,7 +13,7 @@ import torch
 from ties import assert_mostly_exact, lossless_replays, replay_against_live
 
 from adaptree.core.engine import Engine
-from adaptree.methods import CONFIGS, LEARNED, METHODS, make_controller
+from adaptree.methods import CONFIGS, LEARNED, METHODS, TreePlan, make_controller
 from adaptree.methods.resps.controller import (
     RESPS_DEPTHS,
     RESPS_TOPKS,
@@ -933,3 +934,43 @@ def test_an_existing_trace_folder_is_used_when_it_holds_what_the_actions_need(tm
     args = build_parser().parse_args(["train", "resps", "--family", "standard,x.json", "--costs", "--spread", "1.5",
                                       "--action-filter", "tree", "--totals", "1,2", "--depths", "1,2", "--topks", "10"])
     assert (args.family, args.costs, args.spread, args.action_filter) == (("standard", "x.json"), True, 1.5, "tree")
+
+
+def test_relative_actions_follow_each_machines_static_tree(train_traces, tmp_path):
+    """Trained with the machine tree, the policy picks (depth offset, V factor) and every plan is made from the
+    machine's own static tree: the same action is a different tree on another machine."""
+    from adaptree.methods.common import MachineTree
+    from adaptree.methods.resps.controller import check_relative_actions, relative_actions, relative_plan
+    from adaptree.methods.resps.train import SimValidator, split_prompts, train_resps
+    from adaptree.offline.envs import SimSource
+    from adaptree.offline.family import Member, write_index
+
+    with pytest.raises(ValueError, match="V factor"):
+        check_relative_actions([(0, 1.0), (1, 0.0)])
+    tree = MachineTree(3, 8, {1: 2, 2: 4, 3: 8})
+    assert relative_plan(tree, (0, 1.0), 8) == TreePlan(10, 3, 8)
+    assert relative_plan(tree, (-2, 0.5), 8) == TreePlan(10, 1, 1) and relative_plan(tree, (2, 2.0), 4).max_depth == 4
+    index = write_index([Member("expensive", EXPENSIVE, False, "test"), Member("cheap", CHEAP, False, "test")],
+                        tmp_path / "family")
+    cfg = tiny_config(tmp_path / "run", costs=True, machine_tree=True, max_depth=8, family=(str(index),), steps=128)
+    assert cfg.trace_widths() == (10,) and cfg.actions() == relative_actions()
+    lat = dataclasses.replace(LAT, meta={})
+    fam = cfg.latency_family(lat)
+    from adaptree.methods.common.machine_tree import attach
+
+    tr, va = split_prompts([t.key for t in train_traces], cfg.val_fraction)
+    train, val = [t for t in train_traces if t.key in tr], [t for t in train_traces if t.key in va]
+    attach(fam.bases, train, width=10, max_depth=8)
+    train_resps(cfg, SimSource(train, lat, family=fam), SimValidator.of_family(val, fam), hidden=H, progress=False)
+    (tmp_path / "tuned.json").write_text(json.dumps(MachineTree.of(fam.bases[1]).to_dict()))
+    c = make_controller("resps", policy=str(tmp_path / "run" / "policy"), ar_fallback=False,
+                        tuned=str(tmp_path / "tuned.json"))
+    assert c.state.relative and c.plans is None
+    plain = dataclasses.replace(EXPENSIVE, meta={})
+    res = simulate(c, val, plain, measure_policy=False)  # the tuned file's tree
+    mt = MachineTree.of(fam.bases[1])
+    allowed = {relative_plan(mt, a, 8) for a in relative_actions()}
+    assert all((cy.width, cy.depth) in {(p.width, p.max_depth) for p in allowed} for r in res.runs for cy in r.cycles)
+    bare = make_controller("resps", policy=str(tmp_path / "run" / "policy"), ar_fallback=False)
+    with pytest.raises(ValueError, match="--resps-tuned"):
+        simulate(bare, val, plain, measure_policy=False)

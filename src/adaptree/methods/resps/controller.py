@@ -78,6 +78,11 @@ ACTION_FILTERS = ("paper", "tree")
 candidates of the engine's tree of width k and d levels (every paper action is one)."""
 COST_WIDTH = 10
 """Beam width the draft step of the cost features is read at (Re-SpS's widths vary with the action)."""
+RELATIVE_OFFSETS = (-2, -1, 0, 1, 2)
+"""Relative actions: the depth is the machine tree's depth plus one of these (at least 1, at most the tree's
+deepest)."""
+RELATIVE_WIDTH = 10
+"""The beam width of relative actions (the machine tree's, EAGLE-3's)."""
 NORMALIZE = ("rms", "none")
 INTERVAL_INFERENCE = 30
 """The paper's cache interval N at inference (training uses 10)."""
@@ -144,6 +149,39 @@ def check_actions(actions: Sequence) -> list[tuple[int, int, int]]:
     return out
 
 
+def relative_actions() -> list[tuple[int, float]]:
+    """Every (depth offset, V factor) of a relative action set (:data:`RELATIVE_OFFSETS` x
+    :data:`~adaptree.methods.common.SIZE_FACTORS`)."""
+    from adaptree.methods.common import SIZE_FACTORS
+
+    return [(dd, f) for dd in RELATIVE_OFFSETS for f in SIZE_FACTORS]
+
+
+def check_relative_actions(actions: Sequence) -> list[tuple[int, float]]:
+    """Validate a relative action set: at least 2 distinct (depth offset, V factor > 0) pairs."""
+    out: list[tuple[int, float]] = []
+    for i, a in enumerate(actions):
+        try:
+            dd, f = a
+            dd, f = int(dd), float(f)
+        except (TypeError, ValueError):
+            raise ValueError(f"relative Re-SpS action {i} must be a (depth offset, V factor) pair, got {a!r}") from None
+        if not f > 0:
+            raise ValueError(f"relative Re-SpS action {i} {a!r}: the V factor must be > 0")
+        out.append((dd, f))
+    if len(set(out)) != len(out) or len(out) < 2:
+        raise ValueError(f"a relative Re-SpS action set needs at least 2 distinct actions, got {actions!r}")
+    return out
+
+
+def relative_plan(tree, action: Sequence, max_depth: int = 12) -> TreePlan:
+    """The tree of a relative action on the machine whose static tree is ``tree``
+    (:class:`~adaptree.methods.common.MachineTree`): depth = its depth + the offset (1..``max_depth``), V = the best V
+    at that depth times the factor, width :data:`RELATIVE_WIDTH`."""
+    d = min(max(1, tree.depth + int(action[0])), max_depth)
+    return TreePlan(width=RELATIVE_WIDTH, max_depth=d, size=tree.relative_size(d, float(action[1])))
+
+
 def plan_of(action: Sequence[int]) -> TreePlan:
     """(TT, d, k) -> TreePlan(width=k, max_depth=d, size=TT) (see the module docstring)."""
     tt, d, k = (int(x) for x in action)
@@ -182,6 +220,11 @@ class ReSpSState:
     """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES)."""
     use_costs: bool = False
     """Append the machine's cost features (adaptree.offline.family.COST_FEATURES), after the match features."""
+    relative: bool = False
+    """The actions are (depth offset, V factor) relative to the machine's static tree
+    (adaptree.methods.common.machine_tree), whose depth and V then end the state (after the costs)."""
+    max_depth: int = 12
+    """With ``relative``: the deepest tree an action may ask for (the traces' max depth in training)."""
     reference_costs: list[float] | None = None
     """The cost features assumed when no latency model is given (the training family's median)."""
 
@@ -205,7 +248,8 @@ class ReSpSState:
     def dim(self) -> int:
         from adaptree.offline.family import COST_FEATURES
 
-        extra = (len(MATCH_FEATURES) if self.use_match else 0) + (len(COST_FEATURES) if self.use_costs else 0)
+        extra = ((len(MATCH_FEATURES) if self.use_match else 0) + (len(COST_FEATURES) if self.use_costs else 0)
+                 + (2 if self.relative else 0))
         if self.state == "embedding":
             return self.encoder_dim + extra
         return (3 * self.hidden if self.state == "concat" else self.hidden) + extra
@@ -216,13 +260,20 @@ class ReSpSState:
 
         return cost_features(latency, COST_WIDTH) if self.use_costs else None
 
-    def _with_extras(self, x: torch.Tensor, match: list[float] | None, costs: list[float] | None) -> torch.Tensor:
-        """``x`` followed by the match features and the cost features, for a state that uses them."""
+    def _with_extras(self, x: torch.Tensor, match: list[float] | None, costs: list[float] | None,
+                     machine=None) -> torch.Tensor:
+        """``x`` followed by the match features, the cost features and the machine tree's depth and V, for a state
+        that uses them."""
         tail = match_values(match, "Re-SpS") if self.use_match else []
         if self.use_costs:
             from adaptree.offline.family import costs_or_reference
 
             tail += list(costs_or_reference(costs, self.reference_costs, "resps"))
+        if self.relative:
+            if machine is None:
+                raise ValueError("this Re-SpS policy chooses trees relative to the machine's static tree: give it the "
+                                 "machine setup's static_gs.json (--resps-tuned PATH)")
+            tail += [machine.depth / self.max_depth, math.log2(machine.size) / 8.0]
         return torch.cat([x, torch.tensor(tail, dtype=torch.float32)]) if tail else x
 
     def to_dict(self) -> dict:
@@ -233,7 +284,7 @@ class ReSpSState:
         return cls(**d)
 
     def __call__(self, features: torch.Tensor | None, match: list[float] | None = None,
-                 costs: list[float] | None = None) -> torch.Tensor:
+                 costs: list[float] | None = None, machine=None) -> torch.Tensor:
         """The policy's input ``[dim]`` (float32, CPU) from the cycle's target features ``[3H]`` (and the match
         features and the machine's cost features, for a state that uses them: :meth:`costs_of`; None = the
         reference costs)."""
@@ -251,16 +302,16 @@ class ReSpSState:
         g = f.view(3, self.hidden)
         if self.normalize == "rms":
             g = g * torch.rsqrt(g.square().mean(dim=1, keepdim=True) + self.eps)
-        return self._with_extras(g.reshape(-1) if self.state == "concat" else g.mean(dim=0), match, costs)
+        return self._with_extras(g.reshape(-1) if self.state == "concat" else g.mean(dim=0), match, costs, machine)
 
     def observer(self, tokenizer=None) -> Callable[..., torch.Tensor]:
         """``(ctx, match=None, costs=None) -> [dim]``: the function the controller (inference) and the environments
         (training) share. Feature states read ``ctx.features``; the embedding state decodes ``ctx.prompt_ids +
         ctx.generated_ids`` with ``tokenizer`` (the target's; anything with ``decode(ids)``) and encodes it; ``match``:
         the cycle's match features (:meth:`~adaptree.methods.common.chain.ChainRule.features`); ``costs``: the
-        machine's (:meth:`costs_of`)."""
+        machine's (:meth:`costs_of`); ``machine``: its static tree (a relative state)."""
         if self.state != "embedding":
-            return lambda ctx, match=None, costs=None: self(ctx.features, match, costs)
+            return lambda ctx, match=None, costs=None, machine=None: self(ctx.features, match, costs, machine)
         if tokenizer is None:
             raise ValueError("a Re-SpS policy on the 'embedding' state needs the target's tokenizer to turn the "
                              "context into text (pass tokenizer=...; `adaptree simulate`/`oracle` cannot run it)")
@@ -271,10 +322,10 @@ class ReSpSState:
             raise ValueError(f"the sentence encoder gives {enc.dim} values, the policy was trained on "
                              f"{self.encoder_dim}")
 
-        def observe(ctx: CycleContext, match: list[float] | None = None,
-                    costs: list[float] | None = None) -> torch.Tensor:
+        def observe(ctx: CycleContext, match: list[float] | None = None, costs: list[float] | None = None,
+                    machine=None) -> torch.Tensor:
             return self._with_extras(enc(tokenizer.decode(list(ctx.prompt_ids) + list(ctx.generated_ids))), match,
-                                     costs)
+                                     costs, machine)
 
         return observe
 
@@ -332,12 +383,16 @@ class ReSpSController(LearnedSeam, Controller):
         pc = self.policy.config
         if pc.kind != "resps":
             raise ValueError(f"the policy given is a {pc.kind!r} policy, Re-SpS needs a 'resps' policy")
-        self.actions = check_actions(pc.actions)
-        self.plans = [plan_of(a) for a in self.actions]
         try:
             self.state = ReSpSState.from_dict(pc.observation)
         except TypeError as exc:
             raise ValueError(f"the Re-SpS policy's observation settings are not valid: {exc}") from None
+        if self.state.relative:  # plans follow the machine's static tree: made when the policy decides
+            self.actions = check_relative_actions(pc.actions)
+            self.plans = None
+        else:
+            self.actions = check_actions(pc.actions)
+            self.plans = [plan_of(a) for a in self.actions]
         if self.state.dim != pc.obs_dim:
             raise ValueError(f"the Re-SpS policy's obs_dim {pc.obs_dim} does not match its observation "
                              f"({self.state.state} of H={self.state.hidden}: {self.state.dim} values)")
@@ -357,8 +412,11 @@ class ReSpSController(LearnedSeam, Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.counts: Counter = Counter()
         """How often each action index was chosen (over every generation this controller ran)."""
-        cheapest = min(self.plans, key=lambda p: (p.size, p.width))
-        self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes priced on it
+        if self.plans is None:  # relative: the smallest tree any machine tree can give
+            self.smallest = (RELATIVE_WIDTH, 1, self.state.max_depth)
+        else:
+            cheapest = min(self.plans, key=lambda p: (p.size, p.width))
+            self.smallest = (cheapest.width, cheapest.size, max(p.max_depth for p in self.plans))  # probes' price
         self.costs: list[float] | None = None
         """This machine's cost features, for a state that uses them (None: the policy's reference costs)."""
         self.load_latency(cfg)
@@ -381,9 +439,11 @@ class ReSpSController(LearnedSeam, Controller):
         if self.ar_step(ctx):
             return AR_PLAN.with_chain(chain)
         if self.left <= 0 or self.plan is None:  # the match features only where the policy decides
-            obs = self.observe(ctx, self.match_features(self.observes), self.costs)
+            machine = self.require_tree() if self.state.relative else None
+            obs = self.observe(ctx, self.match_features(self.observes), self.costs, machine)
             a = self.policy.act(obs, self.temperature, self.gen)
-            self.plan = self.plans[a]
+            self.plan = self.plans[a] if machine is None else relative_plan(machine, self.actions[a],
+                                                                            self.state.max_depth)
             self.left = self.config.interval
             self.decisions.append((ctx.cycle, a))
             self.counts[a] += 1

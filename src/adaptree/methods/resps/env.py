@@ -33,16 +33,22 @@ class PlanEnv(CycleEnv):
     def __init__(self, source, plans: Sequence[tuple[int, int, int]], obs_dim: int,
                  observe_features: Callable[..., np.ndarray], interval: int = 10,
                  reward: str = "cycle_throughput", inner: Controller | None = None,
-                 costs_of: Callable[..., list[float] | None] | None = None, **kwargs) -> None:
+                 costs_of: Callable[..., list[float] | None] | None = None,
+                 relative: Sequence[tuple[int, float]] | None = None, max_depth: int = 12, **kwargs) -> None:
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
+        self.relative, self.max_depth = (list(relative) if relative is not None else None), max_depth
+        """With relative actions: (depth offset, V factor) per action, the plan made from the generation's machine
+        tree (its latency model's, adaptree.methods.common.machine_tree); ``plans`` then only give the inner rule."""
+        self.machine = None
         self.plans = [TreePlan(*map(int, p)) for p in plans]
         if len(self.plans) < 2:
             raise ValueError(f"PlanEnv needs at least 2 plans, got {len(self.plans)}")
         self.interval, self._observe, self._costs_of = interval, observe_features, costs_of
         p0 = self.plans[0]
+        n = len(self.relative) if self.relative is not None else len(self.plans)
         super().__init__(source, inner or StaticController(StaticConfig(p0.width, max(1, p0.max_depth), max(1, p0.size))),
-                         obs_dim, len(self.plans), reward=reward, **kwargs)
+                         obs_dim, n, reward=reward, **kwargs)
         self.costs: list[float] | None = None
         """The cost features of the generation running now (with ``costs_of``)."""
         if costs_of is not None and self.latency is not None:
@@ -52,11 +58,24 @@ class PlanEnv(CycleEnv):
         super().use_latency(latency)
         if self._costs_of is not None:
             self.costs = self._costs_of(latency)
+        if self.relative is not None:
+            from adaptree.methods.common import MachineTree
+
+            self.machine = MachineTree.of(latency)
+            if self.machine is None:
+                raise ValueError("relative Re-SpS actions need every latency model's machine tree "
+                                 "(adaptree.methods.common.machine_tree.attach)")
 
     def observe(self, ctx: CycleContext) -> np.ndarray:
         args = () if self.chain is None else (self.chain.features(),)
         kw = {} if self._costs_of is None else {"costs": self.costs}
+        if self.relative is not None:
+            kw["machine"] = self.machine
         return np.asarray(self._observe(ctx, *args, **kw), dtype=np.float32)
 
     def plan_of(self, action: int) -> TreePlan:
+        if self.relative is not None:
+            from adaptree.methods.resps.controller import relative_plan
+
+            return relative_plan(self.machine, self.relative[action], self.max_depth)
         return self.plans[action]

@@ -68,7 +68,9 @@ from adaptree.methods.resps.controller import (
     ReSpSConfig,
     ReSpSController,
     ReSpSState,
+    RELATIVE_WIDTH,
     action_widths,
+    relative_actions,
     resps_actions,
 )
 from adaptree.methods.resps.env import PlanEnv
@@ -154,6 +156,13 @@ class ReSpSTrainConfig:
     """With ``match``: the longest context chain per cycle."""
     costs: bool = False
     """The policy sees the machine's cost features (adaptree.offline.family), after the features (and the match)."""
+    machine_tree: bool = False
+    """Relative actions: the policy sees the machine's static tree (its depth and V) and picks a depth offset and a
+    V factor from it (adaptree.methods.resps.controller.relative_actions, W = 10; the totals/depths/topks are then
+    unused); each family member's tree is fitted on the training traces, the machine setup's static_gs.json gives
+    it at inference."""
+    max_depth: int = positive(12)
+    """With ``machine_tree``: the deepest tree a relative action asks for (the traces must hold that many levels)."""
     family: tuple[str, ...] = ()
     """More latency models to train over, next to the main one: JSON files, or a family index (``standard``: the
     shipped one, adaptree.offline.family; its held-out members are never trained on). Each generation runs on a
@@ -190,15 +199,20 @@ class ReSpSTrainConfig:
         if self.inference_temperature is None:
             self.inference_temperature = 1.5 if self.max_entropy else 0.0
 
-    def actions(self) -> list[tuple[int, int, int]]:
+    def actions(self) -> list:
+        """(TT, d, k) triples, or with ``machine_tree`` (depth offset, V factor) pairs."""
+        if self.machine_tree:
+            return relative_actions()
         return resps_actions(self.totals, self.depths, self.topks, self.action_filter)
 
     def trace_widths(self) -> tuple[int, ...]:
         """Widths the simulator needs: every k, plus EAGLE-3's W=10 for the static baseline."""
+        if self.machine_tree:
+            return (RELATIVE_WIDTH,)
         return tuple(sorted(set(action_widths(self.actions())) | {STATIC_DEFAULT[0]}))
 
     def trace_depth(self) -> int:
-        return max(max(self.depths), STATIC_DEFAULT[1])
+        return self.max_depth if self.machine_tree else max(max(self.depths), STATIC_DEFAULT[1])
 
     def latency_family(self, latency):
         """The family trained over (None: the one ``latency``): ``latency`` first, then every entry of ``family``
@@ -215,7 +229,8 @@ class ReSpSTrainConfig:
 
     def state_spec(self, hidden: int, reference_costs: list[float] | None = None) -> ReSpSState:
         """The policy's state; with ``costs``, ``reference_costs`` are what it assumes without a latency model."""
-        machine = dict(use_costs=self.costs, reference_costs=reference_costs if self.costs else None)
+        machine = dict(use_costs=self.costs, reference_costs=reference_costs if self.costs else None,
+                       **(dict(relative=True, max_depth=self.max_depth) if self.machine_tree else {}))
         if self.state == "embedding":
             from adaptree.models.sentence import shared_encoder
 
@@ -318,6 +333,8 @@ class SimValidator:
         w, d, v = STATIC_DEFAULT
         if all(w in t.widths and t.max_depth >= d for t in self.traces):
             out[f"static W{w} d{d} V{v}"] = self(StaticController(StaticConfig(w, d, v)))
+        if cfg.machine_tree:  # relative actions: no fixed action grid to compare with
+            return out
         first = self if len(self.models) == 1 else SimValidator(self.traces, self.models[0], self.names[:1])
         where = "" if first is self else f", {self.names[0]} only"
         valid = set(cfg.actions())
@@ -509,18 +526,20 @@ def _envs(cfg: ReSpSTrainConfig, source, spec: ReSpSState, n_envs: int, seed0: i
     each generation's state ends with the cost features of the latency model it runs on."""
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    plans = [(k, d, tt) for tt, d, k in cfg.actions()]
+    relative = cfg.actions() if cfg.machine_tree else None
+    plans = [(RELATIVE_WIDTH, 1, 1), (RELATIVE_WIDTH, 1, 2)] if relative else [(k, d, tt) for tt, d, k in cfg.actions()]
     observer = spec.observer(tokenizer)
 
-    def observe(ctx, match=None, costs=None):
-        return observer(ctx, match, costs).numpy()
+    def observe(ctx, match=None, costs=None, machine=None):
+        return observer(ctx, match, costs, machine).numpy()
 
     def chain_rule():
         return ChainRule(chain_calibration, cfg.chain_tokens) if cfg.match else None
 
     costs_of = spec.costs_of if spec.use_costs else None
     return DummyVecEnv([lambda i=i: PlanEnv(source, plans, spec.dim, observe, interval=cfg.interval,
-                                            reward=cfg.reward, seed=seed0 + i, chain=chain_rule(), costs_of=costs_of)
+                                            reward=cfg.reward, seed=seed0 + i, chain=chain_rule(), costs_of=costs_of,
+                                            relative=relative, max_depth=cfg.max_depth)
                         for i in range(n_envs)])
 
 

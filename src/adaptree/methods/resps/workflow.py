@@ -42,12 +42,11 @@ def trace_settings_for(cfg: ReSpSTrainConfig, folder: str | os.PathLike, feature
     if not (Path(folder) / "manifest.json").exists():
         return cfg.trace_widths(), cfg.trace_depth(), feature_dtype
     s = TraceStore(folder).settings
-    actions = cfg.actions()
     lacks = []
-    widths = sorted(set(action_widths(actions)) - set(s.widths))
+    widths = sorted(set(cfg.trace_widths() if cfg.machine_tree else action_widths(cfg.actions())) - set(s.widths))
     if widths:
         lacks.append(f"widths {widths} (it has {list(s.widths)})")
-    depth = max(d for _, d, _ in actions)
+    depth = cfg.trace_depth() if cfg.machine_tree else max(d for _, d, _ in cfg.actions())
     if s.max_depth < depth:
         lacks.append(f"depth {depth} (it has max_depth {s.max_depth})")
     if cfg.state != "embedding" and s.feature_dtype == "none":
@@ -100,6 +99,14 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
     def encoded(keys):
         return [(k, pipeline.encode(keyed[k].turns[0])) for k in keys]
 
+    if cfg.machine_tree and family is not None:  # every member's static tree, fitted on the training prompts
+        from adaptree.methods.common.machine_tree import attach
+
+        attach(family.bases, [traces[k] for k in train_keys], progress=progress)
+    elif cfg.machine_tree and latency is not None:
+        from adaptree.methods.common.machine_tree import attach
+
+        attach([latency], [traces[k] for k in train_keys], progress=progress)
     if sim_train:
         from adaptree.offline.envs import SimSource
 
