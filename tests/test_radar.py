@@ -890,3 +890,34 @@ def test_train_radar_on_traces_over_a_family_exports_a_table_policy(greedy_trace
     assert RadarPolicy.load(tmp_path / "c" / "policy").config.max_depth == 3
     with pytest.raises(ValueError, match="max_depth must be in 2..5"):
         train_radar(RadarTrainConfig(out=str(tmp_path / "x"), **{**base, "max_depth": 7}), progress=False)
+
+
+def test_a_radar_policy_that_sees_the_machine_tree(greedy_traces, tmp_path):
+    """With machine_tree the cost input ends with the machine's static depth and V: fitted per machine in training,
+    read from the machine setup's static_gs.json at inference, and required there."""
+    import json as _json
+
+    from adaptree.methods.common import MachineTree
+    from adaptree.offline.latency import LatencyModel
+    from adaptree.offline.simulator import simulate
+
+    folder = save_traces(greedy_traces[:4], tmp_path / "traces")
+    latency_of("cpu").save(tmp_path / "cpu.json")
+    latency_of("gpu").save(tmp_path / "gpu.json")
+    s = train_radar(RadarTrainConfig(out=str(tmp_path / "r"), traces=folder, latency=str(tmp_path / "cpu.json"),
+                                     family=(str(tmp_path / "gpu.json"),), costs=True, machine_tree=True,
+                                     alphas=(0.0,), steps=4, batch_size=16, hidden=8, eval_every=2,
+                                     checkpoint_every=2, val_fraction=0.3, members=2), progress=False)
+    pol = RadarPolicy.load(tmp_path / "r" / "policy")
+    assert pol.config.tree_features and pol.config.n_costs == 7
+    lat = LatencyModel.load(tmp_path / "cpu.json")
+    mt = MachineTree.fit(greedy_traces, lat, TRACE_W, TRACE_D)
+    (tmp_path / "static_gs.json").write_text(_json.dumps({"width": TRACE_W, **mt.to_dict()}))
+    ctl = make_controller("radar", policy=str(tmp_path / "r" / "policy"), width=TRACE_W, ar_fallback=False,
+                          latency=str(tmp_path / "cpu.json"), tuned=str(tmp_path / "static_gs.json"))
+    assert ctl.costs[-2:].tolist() == pytest.approx([mt.depth / TRACE_D, np.log2(mt.size) / 8])
+    assert simulate(ctl, greedy_traces[:2], lat, measure_policy=False).runs[0].cycles
+    with pytest.raises(ValueError, match="--radar-tuned"):
+        make_controller("radar", policy=str(tmp_path / "r" / "policy"), width=TRACE_W, ar_fallback=False,
+                        latency=str(tmp_path / "cpu.json"))
+    assert s["train_cycles"] > 0

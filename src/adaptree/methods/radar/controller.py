@@ -137,7 +137,8 @@ class RadarController(LearnedSeam, Controller):
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.hc = None
         self.last_p_stop = float("nan")
-        self.costs = policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None else None
+        self.costs = (policy.costs_tensor(None) if pc.cost_features and pc.reference_costs is not None
+                      and not pc.tree_features else None)
         self.observes = pc.match_features
         self.start_runtime(cfg, chain_calibration, self.observes)
         self.match: list[float] | None = None
@@ -168,11 +169,13 @@ class RadarController(LearnedSeam, Controller):
         return self.size_at(tree.depth)
 
     def use_latency(self, latency) -> None:
+        super().use_latency(latency)  # first: a latency model that carries a machine tree sets it
         if self.policy.config.cost_features:
             from adaptree.offline.family import cost_features
 
-            self.costs = self.policy.costs_tensor(cost_features(latency, self.config.width))
-        super().use_latency(latency)
+            costs = cost_features(latency, self.config.width)
+            tree = self.require_tree() if self.policy.config.tree_features else None
+            self.costs = self.policy.costs_tensor(self.policy.machine_values(costs, tree))
 
     def reset(self) -> None:
         self.gen.manual_seed(self.config.seed)

@@ -55,6 +55,10 @@ class RadarModelConfig:
     match_features: bool = False
     """Append the cycle's context-match features (adaptree.methods.common.MATCH_FEATURES) to the MLP's state
     input, after the costs."""
+    tree_features: bool = False
+    """With cost_features: the costs are followed by the machine's static tree, its depth / max_depth and log2 of
+    its V / 8 (adaptree.methods.common.machine_tree): where this machine's best fixed tree stops (no reference: the
+    machine setup's static_gs.json must give it)."""
     size_table: bool = False
     """Trained with every stop point verifying the machine's V for its depth (a V table: the machine setup's
     ``size_by_depth``, adaptree.offline.oracle.sizes_by_depth); False: EAGLE-3's V = 60 at every depth."""
@@ -73,6 +77,8 @@ class RadarModelConfig:
         if not self.score_floor < 0.0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         self.reference_costs = check_costs(self.reference_costs)
+        if self.tree_features and not self.cost_features:
+            raise ValueError("tree_features come after the cost features: they need cost_features")
         if self.reference_sizes is not None:
             self.reference_sizes = [int(v) for v in self.reference_sizes]
             if len(self.reference_sizes) != self.max_depth or min(self.reference_sizes) < 1:
@@ -83,7 +89,7 @@ class RadarModelConfig:
 
     @property
     def n_costs(self) -> int:
-        return len(COST_FEATURES) if self.cost_features else 0
+        return (len(COST_FEATURES) + (2 if self.tree_features else 0)) if self.cost_features else 0
 
     @property
     def n_match(self) -> int:
@@ -114,7 +120,21 @@ class RadarPolicy(nn.Module):
         c = self.config
         if not c.cost_features:
             return torch.zeros(0)
+        if c.tree_features:  # costs then the machine tree's two numbers: no reference stands in for the tree
+            if costs is None:
+                raise ValueError("this RADAR policy observes the machine's static tree: give it a latency model and "
+                                 "the machine setup's static_gs.json (--radar-latency, --radar-tuned)")
+            return torch.as_tensor(costs, dtype=torch.float32)
         return torch.as_tensor(costs_or_reference(costs, c.reference_costs, "radar"), dtype=torch.float32)
+
+    def machine_values(self, costs: list[float], tree) -> list[float]:
+        """The cost input of a machine: its cost features, then (``tree_features``) its static tree's depth /
+        max_depth and log2 of its V / 8."""
+        if not self.config.tree_features:
+            return list(costs)
+        import math
+
+        return [*costs, tree.depth / self.config.max_depth, math.log2(max(1, tree.size)) / 8.0]
 
     def match_tensor(self, match) -> torch.Tensor:
         """The match features as a tensor (``[M]`` or ``[B, M]``); empty when the policy does not use them."""

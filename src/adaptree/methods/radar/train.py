@@ -121,6 +121,9 @@ class RadarTrainConfig:
     """Checkpoint every this many updates (and at the end)."""
     costs: bool = False
     """The policy sees the machine's cost features (adaptree.offline.family); needs a latency model."""
+    machine_tree: bool = False
+    """With ``costs`` and ``traces``: the policy also sees the machine's static tree (its depth and V, fitted per
+    machine on the training traces; the machine setup's static_gs.json at inference)."""
     family: tuple[str, ...] = ()
     """More latency models to train over, next to ``latency``: JSON files, or family indexes (``standard`` or a
     path ending in family.json: their members not held out). Each training cycle is replicated ``members`` times,
@@ -262,7 +265,9 @@ def match_features(records, calibration) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32).reshape(-1, len(MATCH_FEATURES))
 
 
-def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, calibration=None) -> Episodes:
+def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, calibration=None,
+                  tree=None) -> Episodes:
+    """``tree``: the machine's static tree (depth, size), for a policy with ``machine_tree``."""
     scores = np.concatenate([r.scores for r in records]).astype(np.float32)
     dist = np.concatenate([r.dist for r in records]).astype(np.float64)
     dist = dist / dist.sum(-1, keepdims=True)
@@ -278,7 +283,12 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, cali
         if cfg.costs:
             from adaptree.offline.family import cost_features
 
-            costs = torch.tensor([cost_features(latency, width)], dtype=torch.float32).expand(len(keys), -1)
+            values = cost_features(latency, width)
+            if cfg.machine_tree:
+                import math
+
+                values = [*values, tree.depth / records[0].dist.shape[1], math.log2(max(1, tree.size)) / 8.0]
+            costs = torch.tensor([values], dtype=torch.float32).expand(len(keys), -1)
     match = match_features(records, calibration) if cfg.match else None
     return Episodes(torch.from_numpy(scores), torch.from_numpy(dist), torch.from_numpy(t), torch.from_numpy(tokens),
                     keys, ar, costs, match)
@@ -437,6 +447,7 @@ def train_alpha(cfg: RadarTrainConfig, alpha: float, beta: float, train: Episode
     torch.manual_seed(cfg.seed)
     mcfg = RadarModelConfig(width=width, max_depth=train.depth, hidden=cfg.hidden, dropout=cfg.dropout,
                             cost_features=cfg.costs, reference_costs=reference_costs, match_features=cfg.match,
+                            tree_features=cfg.machine_tree,
                             size_table=reference_sizes is not None, reference_sizes=reference_sizes)
     policy = RadarPolicy(mcfg)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -622,7 +633,7 @@ def _trace_source(cfg: RadarTrainConfig, latency, progress: bool = True) -> _Sou
         return machines[key]
 
     def episodes(cycles, model) -> Episodes:
-        return make_episodes(cycles.records(sizes_of(model)), cfg, width, model, calibration)
+        return make_episodes(cycles.records(sizes_of(model)), cfg, width, model, calibration, sizes_of(model))
 
     family = cfg.latency_family(latency)
     if family is not None:
