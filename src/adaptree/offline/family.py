@@ -13,12 +13,12 @@ transfer:
   ``[1/spread, spread]``). Training samples one member per generation (the simulator's rewards and the cost
   features come from the same member), so the policy learns how the best tree moves with the costs instead of
   one machine's answer.
-* The standard family (:func:`standard_members`, written by ``scripts/build_family.py`` into
-  :data:`STANDARD_INDEX`): synthetic members that span the hardware users run, from CPUs where every verified
-  node costs a large part of a step to GPUs where verification is nearly free (:func:`synthetic`), next to
-  measured ones (CPU profiles, an H100 member built from its forward curve, :func:`from_forward_curve`). Whole
-  regions are held out of training (:data:`HELD_OUT_BAND` and every measured member), so that a table over the
-  family tests transfer, not memory.
+* The standard family (:func:`standard_synthetic` and the measured members, written by
+  ``scripts/build_family.py`` into :data:`STANDARD_INDEX`): synthetic members that span the hardware users run,
+  from CPUs where every verified node costs a large part of a step to GPUs where verification is nearly free
+  (:func:`synthetic`), next to measured ones (CPU profiles, an H100 member built from its forward curve,
+  :func:`from_forward_curve`). Whole regions are held out of training (:data:`HELD_OUT_BAND` and every measured
+  member), so that a table over the family tests transfer, not memory.
 """
 
 from __future__ import annotations

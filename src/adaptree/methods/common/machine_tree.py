@@ -7,7 +7,8 @@ as well. The best static tree folds both together, and a policy trained over a f
 a few thousand cycles what it cannot learn from the raw costs in a CPU's budget of PPO steps (the cost-only LTD pair
 collapsed to one tree for every machine: the step between the costs and the right tree is the whole problem).
 So a learned method may observe it (:meth:`MachineTree.features`: how many levels below the best static depth the
-tree is, and the log of the best V at the current depth) and choose V relative to it (:meth:`MachineTree.relative_size`).
+tree is, and the log of the best V at the current depth) and choose V relative to it
+(:meth:`MachineTree.relative_size`).
 Such a policy still decides per cycle from the draft's scores and the context match; the static tree is where it
 starts, not what it does.
 
