@@ -47,7 +47,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
            "NgramController", "HybridConfig", "HybridController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
-           "MissingAssetError", "make_controller", "resolve_assets", "controller_factories"]
+           "MissingAssetError", "make_controller", "resolve_assets", "controller_factories", "HEAD_DEFAULTS"]
 
 
 class MissingAssetError(FileNotFoundError, ValueError):
@@ -134,6 +134,11 @@ _RESPS_ASSET = Asset("policy", "resps", "a Re-SpS policy", "--resps-policy",
 _TUNED_ASSET = Asset("tuned", "static_gs.json", "a tuned static tree", "--tuned",
                      "adaptree tune-static --model MODEL --draft HEAD --out RUN, then copy RUN/static_gs.json to HEAD/")
 
+HEAD_DEFAULTS = {"tuned": "static_gs.json", "chain": "chain.json"}
+"""Machine options a learned method falls back to when no machine setup gives them: the static tree and the chain
+calibration shipped next to the head (the chain rates depend on the model and head only; the static tree was tuned
+on the machine that trained the head)."""
+
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("ar", None, AutoregressiveController),
     Method("static", StaticConfig, StaticController),
@@ -211,13 +216,19 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
     :param tokenizer: the target's, for controllers that read the context as text (Re-SpS on the embedding
         state).
     :param machine: this machine's files (:attr:`adaptree.adapt.MachineSetup.assets`: option -> path), used for the
-        method's :attr:`Method.machine_options` that ``options`` does not give.
+        method's :attr:`Method.machine_options` that ``options`` does not give. A learned method given no machine
+        static tree or chain calibration takes the one shipped next to the head (:data:`HEAD_DEFAULTS`), so that
+        policies which observe them run without a machine setup too.
     """
     entry = method(name)
     entry.check_options(options)
     for opt in entry.machine_options:
         if not options.get(opt) and machine and machine.get(opt):
             options = {**options, opt: machine[opt]}
+    if entry.learned and head_folder is not None:  # no machine setup: the files shipped with the head
+        for opt, file in HEAD_DEFAULTS.items():
+            if opt in entry.machine_options and not options.get(opt) and (Path(head_folder) / file).is_file():
+                options = {**options, opt: str(Path(head_folder) / file)}
     if entry.assets:
         options = resolve_assets(name, options, head_folder, model)
     return entry.build(options, tokenizer=tokenizer)

@@ -141,6 +141,8 @@ class RadarController(LearnedSeam, Controller):
                       and not pc.tree_features else None)
         self.observes = pc.match_features
         self.start_runtime(cfg, chain_calibration, self.observes)
+        if pc.tree_features and pc.reference_costs is not None and self.machine_tree is not None:
+            self.costs = policy.costs_tensor(policy.machine_values(pc.reference_costs, self.machine_tree))  # no latency
         self.match: list[float] | None = None
         self.use_sizes(table)
         self.load_latency(cfg)
