@@ -83,7 +83,8 @@ def test_every_method_field_has_a_documented_flag():
         covered = set(flags[name].only or ()) | shape | {"mode"}
         siblings = {a.option for n in ("ltd", "ltd-depth", "ltd-size") for a in REGISTRY[n].assets}
         assert {f.name for f in fields(m.config)} - covered <= siblings, name
-    machine = ("latency", "ar_fallback", "probe_every", "chain", "chain_tokens")  # the learned runtime, also the ablations'
+    # the learned runtime, also the ablations'
+    machine = ("latency", "ar_fallback", "probe_every", "chain", "chain_tokens", "tuned")
     assert flags["ltd-depth"].only == (*machine, "depth_policy") and flags["ltd-size"].only == (*machine, "size_policy")
     assert [flags["deagle"].flag(f) for f in ("tau_s", "votes")] == ["deagle-tau-s", "deagle-votes"]
     assert flags["static-gs"].flag("tuned") == "tuned" and flags["ltd-size"].flag("size_policy") == "ltd-size-policy"

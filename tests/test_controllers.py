@@ -347,7 +347,7 @@ def test_learned_methods_share_one_runtime(tmp_path):
     from adaptree.offline.latency import LatencyModel
 
     runtime = [f.name for f in fields(LearnedRuntime)]
-    assert runtime == ["latency", "ar_fallback", "probe_every", "chain", "chain_tokens"]
+    assert runtime == ["latency", "ar_fallback", "probe_every", "chain", "chain_tokens", "tuned"]
     for name in LEARNED:
         config = REGISTRY[name].config
         assert issubclass(config, LearnedRuntime) and issubclass(REGISTRY[name].controller, LearnedSeam), name

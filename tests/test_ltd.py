@@ -633,3 +633,33 @@ def test_training_with_the_machine_tree(traces, tmp_path):
     assert len(s["chosen"]["per_machine"]) == 2
     with pytest.raises(ValueError, match="depth-partner"):
         tiny_train_config(tmp_path / "x", only="depth", depth_partner="size")
+
+
+def test_first_decision_can_skip_drafting_and_stays_lossless(models, traces, tmp_path):
+    """With first_decision, π_D is asked before the first draft forward too: a policy that always stops makes every
+    cycle an AR step (with the context's chain when there is one), and the output is still AR's."""
+    from adaptree.methods.ltd.train import train_ltd
+
+    obs = LTDObservation(width=W, max_depth=DMAX, first_decision=True)
+    stop = random_policy("depth", 0, obs, hidden=(1,))
+    with torch.no_grad():
+        for p in stop.parameters():
+            p.zero_()
+        stop.head.bias[0] = 1.0  # always STOP
+    assert obs.first_obs(17).shape[0] == obs.depth_dim
+    ctl = LTDController(LTDConfig(width=W, depth=DMAX, size=10, mode="depth", ar_fallback=False), depth_policy=stop)
+    res = simulate(ctl, traces, LAT, measure_policy=False)
+    assert all(c.depth == 0 for r in res.runs for c in r.cycles)
+    target, head = models
+    eng = Engine(target, head)
+    with torch.inference_mode():
+        live = eng.generate(PROMPTS[0], ctl, max_new_tokens=N_NEW)
+        ar = eng.generate(PROMPTS[0], None, max_new_tokens=N_NEW)
+    assert live.token_ids == ar.token_ids
+    # a fine-tune that adds the decision to a pair trained without it
+    train_ltd(tiny_train_config(tmp_path / "run", iterations=1), traces, LAT, progress=False)
+    ft = train_ltd(tiny_train_config(tmp_path / "ft", init=str(tmp_path / "run/policy"), iterations=2,
+                                     first_decision=True), traces, LAT, progress=False)
+    depth = MLPPolicy.load(tmp_path / "ft/policy/depth", kind="ltd-depth")
+    assert LTDObservation.from_dict(depth.config.observation).first_decision
+    assert list(ft["stages"]) == ["iter1-size", "iter2-depth"]

@@ -732,24 +732,24 @@ def test_controller_verifies_the_machine_table(tmp_path):
         RadarConfig(size=0)
 
 
-def test_the_shipped_policy_behaves_as_before():
-    """The shipped policy (trained on the T=1 dataset with V = 60) loads strictly, verifies 60 nodes at every depth
-    without a machine table, and stops where it stopped (P(STOP) after the first draft forward of a fixed input)."""
+def test_the_shipped_policy_sees_the_machine():
+    """The shipped policy (retrained over the standard family on greedy traces) loads strictly, verifies the
+    machine's V per depth (the head's static tree without a machine setup), and sees the costs, the match and the
+    machine tree; a policy of the old format (V = 60, no table) still verifies 60 at every depth."""
     from pathlib import Path
 
     import adaptree
 
     folder = Path(adaptree.__file__).parent / "heads" / "smollm2-135m" / "radar"
     pol = RadarPolicy.load(folder)
-    assert not pol.config.size_table and pol.config.reference_sizes is None
-    ctl = RadarController(RadarConfig(policy=str(folder)))
-    assert (ctl.plan.width, ctl.plan.max_depth, ctl.plan.size) == (10, 8, 60)
-    assert [ctl.size_at(d) for d in range(1, 9)] == [60] * 8
-    x = -torch.arange(1, 11, dtype=torch.float32).cumsum(0)[None, None].repeat(1, 7, 1) * torch.linspace(
-        0.05, 0.6, 7)[None, :, None]
-    with torch.no_grad():
-        p_stop = torch.softmax(pol.eval()(x), -1)[0, :, 0]
-    assert abs(float(p_stop[0]) - 0.97146) < 1e-4 and bool((p_stop > 0.5).all())
+    c = pol.config
+    assert c.size_table and c.cost_features and c.tree_features and c.match_features and c.max_depth == 12
+    ctl = make_controller("radar", head_folder=folder.parent)
+    assert ctl.machine_tree is not None and ctl.size_at(1) == ctl.machine_tree.size_at(1)
+    assert ctl.costs is not None and ctl.costs.numel() == c.n_costs  # the reference costs and the head's tree
+    RadarPolicy(RadarModelConfig(width=10, max_depth=8, hidden=8)).save(Path("/tmp") / "radar-old-format")
+    old = RadarController(RadarConfig(policy="/tmp/radar-old-format"))
+    assert [old.size_at(d) for d in range(1, 9)] == [60] * 8
 
 
 def test_trace_cycles_are_the_simulator_s_cycles(greedy_traces):

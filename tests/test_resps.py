@@ -381,7 +381,7 @@ def test_registry_and_cli_flags(tmp_path):
         p.parse_args(["generate", "hi", "--method", "resps", "--resps-state", "sum"])
     assert asdict(ReSpSConfig()) == {"policy": None, "interval": 30, "state": None, "temperature": None, "seed": 0,
                                      "latency": None, "ar_fallback": True, "probe_every": 8, "chain": None,
-                                     "chain_tokens": None}
+                                     "chain_tokens": None, "tuned": None}
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -826,11 +826,11 @@ def test_old_policy_configs_load_and_run_unchanged(traces, tmp_path):
     import adaptree
 
     shipped = Path(adaptree.__file__).parent / "heads" / "smollm2-135m" / "resps"
-    if (shipped / "config.json").exists():
-        old = MLPPolicy.load(shipped, kind="resps")
-        assert "use_costs" not in old.config.observation
-        c = ReSpSController(ReSpSConfig(), policy=old)
-        assert not c.state.use_costs and c.state.dim == old.config.obs_dim and len(c.actions) == 177
+    if (shipped / "config.json").exists():  # the shipped policy (retrained over the family): relative actions
+        new = MLPPolicy.load(shipped, kind="resps")
+        c = ReSpSController(ReSpSConfig(tuned=str(shipped.parent / "static_gs.json"),
+                                        chain=str(shipped.parent / "chain.json")), policy=new)
+        assert c.state.use_costs and c.state.relative and c.state.dim == new.config.obs_dim and len(c.actions) == 35
     # a policy written before cost features (no use_costs / reference_costs) replays exactly as the same policy now
     pol = nearest_center_policy()
     obs = {k: v for k, v in ReSpSState(H).to_dict().items() if k not in ("use_costs", "reference_costs")}

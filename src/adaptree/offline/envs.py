@@ -41,7 +41,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from adaptree.core.controller import Controller, CycleContext, TreePlan
+from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
 
@@ -142,8 +142,12 @@ class _Bridge(Controller):
         self.left = 0  # cycles left in the current plan interval
 
     # ---- talking to the environment
+    questions = 0
+    """Decisions asked so far (a worker that asks none in a whole pass over its prompts stops with an error)."""
+
     def _ask(self, obs: np.ndarray):
         self.asked = True
+        self.questions += 1
         self.to_env.put(("decide", np.array(obs, dtype=np.float32)))  # a copy: never a view of trace memory
         a = self.to_worker.get()
         if a is None:
@@ -177,6 +181,11 @@ class _Bridge(Controller):
         if self.decision != "plan":
             self.asked = False
             plan = self.inner.begin_cycle(ctx)
+            if self.decision == "depth" and getattr(self.env, "first_decision", False) and plan.max_depth > 0 \
+                    and not self.muted:  # asked before the first draft forward too: STOP = an AR step (+ chain)
+                a = self._ask(self.env.observe_first(ctx))
+                if a is not None and int(a) == 0:
+                    plan = AR_PLAN
         else:
             if self.left <= 0:
                 if self.interval:
@@ -320,9 +329,13 @@ class CycleEnv(gym.Env):
             try:
                 with torch.inference_mode():
                     while True:
+                        before = bridge.questions
                         for i in rng.permutation(len(self.source)):
                             self.source.run(bridge, int(i), rng)
                             bridge.generation_done()
+                        if bridge.questions == before:  # else the environment would wait for ever
+                            raise RuntimeError(f"a whole pass over the {len(self.source)} prompts reached no "
+                                               f"{self.decision} decision (the other decisions never draft)")
             except _Closed:
                 pass
             except BaseException as exc:  # surfaced in the environment's thread

@@ -45,8 +45,8 @@ class LearnedRuntime:
     Default: 16 with policies that observe the context match, else none (0)."""
     tuned: str | None = None
     """The machine's static tree (the machine setup's static_gs.json: its depth and best V per depth), for policies
-    that observe it (adaptree.methods.common.machine_tree); a latency model that carries one (a family member in
-    training) wins."""
+    that observe it (adaptree.methods.common.machine_tree) and RADAR's V per depth; a latency model that carries one
+    (a family member in training) wins."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # the method's own fields too (adaptree.core.config)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from adaptree.core.config import choice
-from adaptree.core.controller import Controller, TreePlan, TreeShape, check_shape
+from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, MachineTree, match_values
 from adaptree.methods.common.machine_tree import FEATURES as TREE_FEATURES
@@ -83,6 +83,10 @@ class LTDObservation:
     relative_sizes: bool = False
     """The size policy's actions are factors of the machine tree's best V at the tree's depth
     (adaptree.methods.common.SIZE_FACTORS), not V values."""
+    first_decision: bool = False
+    """π_D is also asked before the first draft forward (no scores yet: D = 0, the match, the costs, the machine
+    tree): STOP there makes the cycle an AR step with the context's chain, the way hybrid skips the head when the
+    context alone pays."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
@@ -172,6 +176,12 @@ class LTDObservation:
         """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L
         (and the costs, the match features, the machine tree's features)."""
         return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs, match, machine)
+
+    def first_obs(self, context_len: int, costs: list[float] | None = None, match: list[float] | None = None,
+                  machine: MachineTree | None = None) -> torch.Tensor:
+        """π_D's input before the first draft forward (``first_decision``): no scores (all padding), D = 0, L and the
+        extras."""
+        return self._vector(torch.zeros(0), self.frontier, 0, context_len, costs, match, machine)
 
     def size_obs(self, tree: DraftTree, costs: list[float] | None = None, match: list[float] | None = None,
                  machine: MachineTree | None = None) -> torch.Tensor:
@@ -291,6 +301,14 @@ class LTDController(LearnedSeam, Controller):
         if self.size_policy is not None:
             self.size_costs = self.size_obs.costs_of(latency)
         super().use_latency(latency)
+
+    def begin_cycle(self, ctx: CycleContext) -> TreePlan:
+        plan = super().begin_cycle(ctx)  # the policies' plan or the AR gate's step, with the chain
+        if plan.max_depth > 0 and self.depth_policy is not None and self.depth_obs.first_decision:
+            obs = self.depth_obs.first_obs(ctx.context_len, self.depth_costs, self.match, self.machine_tree)
+            if self.depth_policy.act(obs) == STOP:
+                return AR_PLAN.with_chain(plan.chain)
+        return plan
 
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:

@@ -49,8 +49,16 @@ class DepthEnv(_LTDEnv):
         self.obs_spec = observation
         super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
 
+    @property
+    def first_decision(self) -> bool:
+        """Asked before the first draft forward too (the observation's ``first_decision``)."""
+        return self.obs_spec.first_decision
+
     def observe(self, step: DraftStep) -> np.ndarray:
         return self.obs_spec.depth_obs(step, self.costs, self.match(), self.machine).numpy()
+
+    def observe_first(self, ctx: CycleContext) -> np.ndarray:
+        return self.obs_spec.first_obs(ctx.context_len, self.costs, self.match(), self.machine).numpy()
 
 
 class SizeEnv(_LTDEnv):

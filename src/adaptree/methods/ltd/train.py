@@ -153,6 +153,9 @@ class LTDTrainConfig:
     """The policies see the machine's static tree (its depth, the best V at the current depth) and the size policy
     chooses V as a factor of that V (adaptree.methods.common.SIZE_FACTORS; ``sizes`` is then unused): each family
     member's tree is fitted on the training traces, the machine setup's static_gs.json gives it at inference."""
+    first_decision: bool = False
+    """π_D is also asked before the first draft forward: STOP makes the cycle an AR step with the context's chain
+    (with ``init``, added to the init pair's observation)."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -179,7 +182,8 @@ class LTDTrainConfig:
     def observation(self, reference_costs: list[float] | None = None) -> LTDObservation:
         return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
                               use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs,
-                              use_match=self.match, use_tree=self.machine_tree, relative_sizes=self.machine_tree)
+                              use_match=self.match, use_tree=self.machine_tree, relative_sizes=self.machine_tree,
+                              first_decision=self.first_decision)
 
     @property
     def size_actions(self) -> list:
@@ -443,6 +447,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     policies: dict[str, MLPPolicy] = _init_pair(cfg) if cfg.init else {}
     if policies:
         obs = LTDObservation.from_dict(policies["init-depth"].config.observation)
+        obs = dataclasses.replace(obs, first_decision=cfg.first_decision)  # a fine-tune may add the first decision
     else:
         obs = cfg.observation(family.reference_costs() if cfg.costs and family is not None
                               else cfg.observation().costs_of(latency))
@@ -454,7 +459,9 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         other = "depth" if kind == "size" else "size"
         partner = policies[last_of[other]] if name.startswith("iter") or (
             name == "stage1-depth" and cfg.depth_partner == "size") else None
-        stage = _Stage(name, cfg, partner, obs, chain_cal)
+        # only π_D makes the decision before drafting: a size stage's policy is asked once a tree was drafted
+        stage = _Stage(name, cfg, partner, obs if kind == "depth" else dataclasses.replace(obs, first_decision=False),
+                       chain_cal)
         folder = out / name
         done = folder / "result.json"
         if done.exists() and (folder / "policy" / "config.json").exists():

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -86,8 +86,6 @@ class RadarConfig(LearnedRuntime, TreeShape):
     """Sample the decision from the policy (the paper's released behaviour) instead of thresholding."""
     seed: int = 0
     """Seed of the stochastic decisions' generator (reset with every generation)."""
-    tuned: str | None = field(default=None, kw_only=True)
-    """The machine setup's static_gs.json: its size_by_depth gives V per depth (filled from the machine setup)."""
 
     unset_depth: ClassVar[int] = 1
 
