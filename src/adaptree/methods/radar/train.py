@@ -294,6 +294,17 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, cali
                     keys, ar, costs, match)
 
 
+def _split(items, cfg: RadarTrainConfig, what: str):
+    """Training and validation prompts (:func:`split_records`) and a note when there are too few to hold any out
+    (validation then runs on the training cycles)."""
+    tr, va = split_records(items, cfg.val_fraction, cfg.seed)
+    if not tr:
+        raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(items)}")
+    if not va:
+        return tr, tr, f"no validation prompts (too few {what}): alpha chosen on the training cycles"
+    return tr, va, None
+
+
 def split_records(records, val_fraction: float, seed: int):
     """Train / validation records by prompt key (deterministic, :func:`adaptree.offline.runs.split_by_key`)."""
     return split_by_key(records, val_fraction, seed, key=lambda r: r.key)
@@ -534,12 +545,7 @@ def _dataset_source(cfg: RadarTrainConfig, latency) -> _Source:
         if calibration.max_ngram != st.max_ngram:
             raise ValueError(f"the chain calibration matches n-grams of up to {calibration.max_ngram} tokens, the "
                              f"dataset's index up to {st.max_ngram}")
-    tr, va = split_records(records, cfg.val_fraction, cfg.seed)
-    if not tr:
-        raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(records)}")
-    note = None
-    if not va:
-        va, note = tr, "no validation prompts (too few recorded): alpha chosen on the training cycles"
+    tr, va, note = _split(records, cfg, "recorded")
     family = cfg.latency_family(latency)
     reference = None
     if family is not None:
@@ -600,12 +606,7 @@ def _trace_source(cfg: RadarTrainConfig, latency, progress: bool = True) -> _Sou
     depth = st.max_depth if cfg.max_depth is None else cfg.max_depth
     if not 2 <= depth <= st.max_depth:
         raise ValueError(f"max_depth must be in 2..{st.max_depth} (the traces'), got {depth}")
-    tr, va = split_records(traces, cfg.val_fraction, cfg.seed)
-    if not tr:
-        raise ValueError(f"no training prompts after holding out {cfg.val_fraction:.0%} of {len(traces)}")
-    note = None
-    if not va:
-        va, note = tr, "no validation prompts (too few traces): alpha chosen on the training cycles"
+    tr, va, note = _split(traces, cfg, "traces")
     calibration = fitted = None
     chain = {}
     if cfg.match:
