@@ -660,6 +660,8 @@ def test_first_decision_can_skip_drafting_and_stays_lossless(models, traces, tmp
     train_ltd(tiny_train_config(tmp_path / "run", iterations=1), traces, LAT, progress=False)
     ft = train_ltd(tiny_train_config(tmp_path / "ft", init=str(tmp_path / "run/policy"), iterations=2,
                                      first_decision=True), traces, LAT, progress=False)
-    depth = MLPPolicy.load(tmp_path / "ft/policy/depth", kind="ltd-depth")
+    depth = MLPPolicy.load(tmp_path / "ft/iter2-depth/policy", kind="ltd-depth")  # the depth stage learned it
+    size = MLPPolicy.load(tmp_path / "ft/iter1-size/policy", kind="ltd-size")  # asked only once a tree was drafted
     assert LTDObservation.from_dict(depth.config.observation).first_decision
+    assert not LTDObservation.from_dict(size.config.observation).first_decision
     assert list(ft["stages"]) == ["iter1-size", "iter2-depth"]
