@@ -13,6 +13,11 @@ autoregressive step), read from this machine's latency model at inference (``lat
 setup) and from the family member of each generation in training; without a latency model the policy's
 ``reference_costs`` stand in.
 
+With ``use_tree`` they also see the machine's static tree (:mod:`adaptree.methods.common.machine_tree`: how far the
+tree is from the machine's best static depth, the best V at its depth; the machine setup's ``static_gs.json``, the
+``tuned`` option) and, with ``relative_sizes``, π_V picks V as a factor of that V. With ``first_decision`` π_D is also
+asked before the first draft forward: STOP there makes the cycle an AR step with the context's chain.
+
 With ``use_match`` they also end with the cycle's context-match features
 (:data:`adaptree.methods.common.chain.MATCH_FEATURES`) and every cycle carries the context's chain next to the
 policies' tree, its length chosen by :class:`~adaptree.methods.common.chain.ChainRule` (``chain_tokens`` adds the
