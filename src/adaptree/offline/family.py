@@ -291,6 +291,19 @@ def load_members(paths: Sequence[str | os.PathLike]) -> tuple[list[LatencyModel]
     return models, names, val
 
 
+def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], spread: float = 1.0
+                  ) -> LatencyFamily | None:
+    """A trainer's family: ``latency`` (named ``main``) first, then every entry (:func:`load_members`: a latency
+    model file, or a family index whose members not held out are taken), perturbed by ``spread``; validated on
+    ``latency`` and the index's validation members (on all of them without an index). None without entries and
+    without a spread: the trainer runs on ``latency`` alone."""
+    if not entries and spread == 1.0:
+        return None
+    models, names, val = load_members(entries)
+    return LatencyFamily([latency, *models], spread, ["main", *names],
+                         None if val is None else [0, *(i + 1 for i in val)])
+
+
 def _label(path: str | os.PathLike) -> str:
     p = Path(path)
     return f"{p.parent.name}/{p.name}" if p.parent.name else p.name

@@ -200,13 +200,9 @@ class LTDTrainConfig:
     def latency_family(self, latency):
         """The family trained over (None: the one ``latency``, as LTD does): ``latency`` first, then every entry of
         ``family`` (a latency model file, or a family index whose members not held out are taken)."""
-        from adaptree.offline.family import LatencyFamily, load_members
+        from adaptree.offline.family import family_around
 
-        if not self.family and self.spread == 1.0:
-            return None
-        models, names, val = load_members(self.family)
-        return LatencyFamily([latency, *models], self.spread, ["main", *names],
-                             None if val is None else [0, *(i + 1 for i in val)])
+        return family_around(latency, self.family, self.spread)
 
 
 def _lr_schedule(lr: float, warmup: float):

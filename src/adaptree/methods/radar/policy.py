@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from adaptree.methods.common import MATCH_FEATURES, match_values
+from adaptree.methods.common.machine_tree import static_features
 from adaptree.offline.family import COST_FEATURES, check_costs, costs_or_reference
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import dataclass_from_dict
@@ -132,9 +133,7 @@ class RadarPolicy(nn.Module):
         max_depth and log2 of its V / 8."""
         if not self.config.tree_features:
             return list(costs)
-        import math
-
-        return [*costs, tree.depth / self.config.max_depth, math.log2(max(1, tree.size)) / 8.0]
+        return [*costs, *static_features(tree.depth, tree.size, self.config.max_depth)]
 
     def match_tensor(self, match) -> torch.Tensor:
         """The match features as a tensor (``[M]`` or ``[B, M]``); empty when the policy does not use them."""

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from adaptree.core.config import at_least, between, bounded, check_fields, choice, positive
+from adaptree.methods.common.machine_tree import static_features
 from adaptree.methods.radar.policy import CONTINUE, STOP, RadarModelConfig, RadarPolicy
 from adaptree.offline.latency import LatencyModel
 from adaptree.offline.policy import load_strict
@@ -172,13 +173,9 @@ class RadarTrainConfig:
         """The family trained over (None without one): ``latency`` first, then every entry of ``family`` (a latency
         model file, or a family index whose members not held out are taken), validated on ``latency`` and the
         index's validation members (every member when no index is given)."""
-        from adaptree.offline.family import LatencyFamily, load_members
+        from adaptree.offline.family import family_around
 
-        if not self.uses_family:
-            return None
-        models, names, val = load_members(self.family)
-        return LatencyFamily([latency, *models], self.spread, ["main", *names],
-                             None if val is None else [0, *(i + 1 for i in val)])
+        return family_around(latency, self.family, self.spread)
 
     def run_settings(self) -> dict:
         """What must match to resume (everything but the bookkeeping fields)."""
@@ -284,10 +281,8 @@ def make_episodes(records, cfg: RadarTrainConfig, width: int, latency=None, cali
             from adaptree.offline.family import cost_features
 
             values = cost_features(latency, width)
-            if cfg.machine_tree:
-                import math
-
-                values = [*values, tree.depth / records[0].dist.shape[1], math.log2(max(1, tree.size)) / 8.0]
+            if cfg.machine_tree:  # the policy's max_depth is the stop points' count
+                values = [*values, *static_features(tree.depth, tree.size, records[0].dist.shape[1])]
             costs = torch.tensor([values], dtype=torch.float32).expand(len(keys), -1)
     match = match_features(records, calibration) if cfg.match else None
     return Episodes(torch.from_numpy(scores), torch.from_numpy(dist), torch.from_numpy(t), torch.from_numpy(tokens),

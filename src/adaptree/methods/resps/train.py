@@ -217,15 +217,11 @@ class ReSpSTrainConfig:
     def latency_family(self, latency):
         """The family trained over (None: the one ``latency``): ``latency`` first, then every entry of ``family``
         (a latency model file, or a family index whose members not held out are taken)."""
-        from adaptree.offline.family import LatencyFamily, load_members
+        from adaptree.offline.family import family_around
 
-        if not self.family and self.spread == 1.0:
-            return None
-        if latency is None:
+        if latency is None and (self.family or self.spread != 1.0):
             raise ValueError("--family/--spread train over latency models next to the main one: pass --latency FILE")
-        models, names, val = load_members(self.family)
-        return LatencyFamily([latency, *models], self.spread, ["main", *names],
-                             None if val is None else [0, *(i + 1 for i in val)])
+        return family_around(latency, self.family, self.spread)
 
     def state_spec(self, hidden: int, reference_costs: list[float] | None = None) -> ReSpSState:
         """The policy's state; with ``costs``, ``reference_costs`` are what it assumes without a latency model."""
