@@ -31,7 +31,7 @@ from adaptree.models.assets import shipped_head
 from adaptree.methods.common.chain import ChainCalibration
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.offline.family import STANDARD_INDEX, cost_features, read_index, verify_ratio
-from adaptree.offline.oracle import best_static, fraction_of_oracle_gain, oracle_all, sizes_by_depth
+from adaptree.offline.oracle import best_static, fraction_of_oracle_gain, oracle_all
 from adaptree.offline.runs import write_json
 from adaptree.offline.simulator import simulate
 from adaptree.offline.traces import TraceStore
@@ -83,7 +83,7 @@ def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Pat
     """One member: every method's row, the best static tree, the oracles."""
     lat = member.model
     tuned = best_static(train, lat, widths=(10,), depths=range(1, 13))
-    by_depth = sizes_by_depth(train, lat, 10, range(1, 13))
+    by_depth = tuned.size_by_depth()
     tuned_file = acc.parent / f"static_gs-{member.name}.json"  # what a setup on that machine would write
     write_json({"width": tuned.width, "depth": tuned.depth, "size": tuned.size,
                 "size_by_depth": {str(d): v for d, v in by_depth.items()}}, tuned_file)

@@ -391,13 +391,13 @@ def static_tree(traces, latency, cfg: AdaptConfig, path: Path, fp: dict) -> dict
     """The static tree (W, D, V) that models fastest on ``traces`` under ``latency`` (``static-gs``'s), written to
     ``path``; returns ``{"width", "depth", "size", "modelled_speedup", "size_by_depth"}`` (the best V of a tree of
     each depth, as strings -> V: what RADAR verifies when it stops at that depth)."""
-    from adaptree.offline.oracle import best_static, sizes_by_depth
+    from adaptree.offline.oracle import best_static
     from adaptree.offline.runs import write_json
 
     width = traces[0].widths[0] if cfg.width not in traces[0].widths else cfg.width
     depth = min(cfg.max_depth, traces[0].max_depth)
     best = best_static(traces, latency, widths=(width,), depths=range(1, depth + 1))
-    by_depth = sizes_by_depth(traces, latency, width, range(1, depth + 1))  # what RADAR verifies at each depth
+    by_depth = best.size_by_depth()  # what RADAR verifies at each depth
     tree = {"width": best.width, "depth": best.depth, "size": best.size, "modelled_speedup": best.speedup,
             "size_by_depth": {str(d): v for d, v in by_depth.items()}}
     write_json({**tree, "source": "adaptree adapt (simulator: this machine's latency model on greedy traces)",

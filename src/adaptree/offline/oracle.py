@@ -401,6 +401,16 @@ class StaticChoice:
     def speedup(self) -> float:
         return self.ar_s / self.total_s if self.total_s > 0 else 0.0
 
+    def size_by_depth(self) -> dict[int, int]:
+        """Depth -> the V of the grid's best static tree of that depth (the grid is in (W, D, V) order: the first
+        minimum of a depth is its smallest V, as :func:`best_static` breaks ties)."""
+        best: dict[int, dict] = {}
+        for row in self.grid:
+            d = row["depth"]
+            if d not in best or row["total_s"] < best[d]["total_s"]:
+                best[d] = row
+        return {d: int(r["size"]) for d, r in best.items()}
+
     def to_dict(self, grid: bool = False) -> dict:
         d = asdict(self)
         d["speedup"] = self.speedup
@@ -472,14 +482,8 @@ def sizes_by_depth(traces: PromptTrace | Iterable[PromptTrace], latency: Latency
     depths = sorted({int(d) for d in depths if 1 <= int(d) <= deepest})
     if not depths:
         raise ValueError(f"no depth in 1..{deepest} (the traces' max_depth) to choose V for")
-    grid = best_static(traces, latency, widths=(width,), depths=depths, sizes=sizes,
-                       max_new_tokens=max_new_tokens).grid
-    best: dict[int, dict] = {}
-    for row in grid:  # (W, D, V) order: the first minimum of a depth is its smallest V
-        d = row["depth"]
-        if d not in best or row["total_s"] < best[d]["total_s"]:
-            best[d] = row
-    return {d: int(best[d]["size"]) for d in depths}
+    return best_static(traces, latency, widths=(width,), depths=depths, sizes=sizes,
+                       max_new_tokens=max_new_tokens).size_by_depth()
 
 
 def tree_outcomes(trace: PromptTrace, width: int, depths: Iterable[int], sizes: Sequence[int] = DEFAULT_SIZES, *,

@@ -62,6 +62,10 @@ class MachineTree:
         """:data:`FEATURES` at a tree of ``depth`` levels."""
         return [(self.depth - depth) / max_depth, math.log2(self.size_at(depth)) / 8.0]
 
+    def summary(self, max_depth: int) -> list[float]:
+        """The tree as two numbers for a decision taken before drafting (:func:`static_features`)."""
+        return static_features(self.depth, self.size, max_depth)
+
     def to_dict(self) -> dict:
         return {"depth": self.depth, "size": self.size,
                 "size_by_depth": {str(d): v for d, v in self.size_by_depth.items()}}
@@ -87,17 +91,19 @@ class MachineTree:
         from adaptree.offline.oracle import best_static
 
         best = best_static(traces, latency, widths=(width,), depths=range(1, max_depth + 1))
-        by: dict[int, dict] = {}
-        for row in best.grid:  # (W, D, V) order: the first minimum of a depth is its smallest V
-            if row["depth"] not in by or row["total_s"] < by[row["depth"]]["total_s"]:
-                by[row["depth"]] = row
-        return cls(best.depth, best.size, {d: int(r["size"]) for d, r in by.items()})
+        return cls(best.depth, best.size, best.size_by_depth())
 
     @classmethod
     def of(cls, latency) -> "MachineTree | None":
         """The tree attached to a latency model's ``meta`` (:data:`META_KEY`), or None."""
         d = (getattr(latency, "meta", None) or {}).get(META_KEY)
         return cls.from_dict(d) if d else None
+
+
+def static_features(depth: int, size: int, max_depth: int) -> list[float]:
+    """A machine's best static tree as policy inputs that do not depend on the current depth: its depth / max_depth
+    and log2 of its V / 8 (Re-SpS's state, RADAR's inputs next to the costs)."""
+    return [depth / max_depth, math.log2(max(1, size)) / 8.0]
 
 
 def attach(models, traces, width: int = 10, max_depth: int = 12, progress: bool = False) -> None:

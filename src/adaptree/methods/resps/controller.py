@@ -273,7 +273,7 @@ class ReSpSState:
             if machine is None:
                 raise ValueError("this Re-SpS policy chooses trees relative to the machine's static tree: give it the "
                                  "machine setup's static_gs.json (--resps-tuned PATH)")
-            tail += [machine.depth / self.max_depth, math.log2(machine.size) / 8.0]
+            tail += machine.summary(self.max_depth)
         return torch.cat([x, torch.tensor(tail, dtype=torch.float32)]) if tail else x
 
     def to_dict(self) -> dict:

@@ -99,14 +99,11 @@ def train_resps_for(pipeline, cfg: ReSpSTrainConfig, latency: LatencyModel | Non
     def encoded(keys):
         return [(k, pipeline.encode(keyed[k].turns[0])) for k in keys]
 
-    if cfg.machine_tree and family is not None:  # every member's static tree, fitted on the training prompts
+    if cfg.machine_tree and (family is not None or latency is not None):
         from adaptree.methods.common.machine_tree import attach
 
-        attach(family.bases, [traces[k] for k in train_keys], progress=progress)
-    elif cfg.machine_tree and latency is not None:
-        from adaptree.methods.common.machine_tree import attach
-
-        attach([latency], [traces[k] for k in train_keys], progress=progress)
+        # each machine's static tree, fitted on the training prompts
+        attach(family.bases if family is not None else [latency], [traces[k] for k in train_keys], progress=progress)
     if sim_train:
         from adaptree.offline.envs import SimSource
 
