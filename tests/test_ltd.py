@@ -546,6 +546,39 @@ def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models
         ARGate(smoothing=0.0)
 
 
+def test_ar_gate_reopens_at_the_probes_that_earn_the_ar_rate_again():
+    """A long bad stretch closes the gate and its failed probes wait longer and longer; once the acceptance is back,
+    the first probe that (with the one before it) earns more than AR steps reopens it: probes are judged on their
+    own, not diluted into the long averages that the bad stretch dragged down."""
+    from adaptree.core.records import CycleRecord
+    from adaptree.methods.common import ARGate
+
+    lat = LatencyModel(draft=[0.001, 0.0, 0.0, 0.0], verify=[0.01, 0.0, 0.0, 0.0], other_s=0.0)  # a cycle: 1.2 steps
+    gate = ARGate(probe_every=2, min_cycles=8, max_probe_every=4)
+    gate.latency = lat
+
+    def cycle(accepted: int) -> bool:
+        """One cycle at the gate: True when it was an AR step; a drafted one is recorded with ``accepted``."""
+        if gate.ar_step(4, 4, 2, 100):
+            return True
+        gate.record(CycleRecord(cycle=0, context_len=100, width=4, depth=2, size=4, candidates=8, accepted=accepted,
+                                emitted=accepted + 1))
+        return False
+
+    for _ in range(10):  # trees pay: 3 tokens for 1.2 steps
+        assert not cycle(2)
+    probes = 0
+    for _ in range(400):  # nothing accepted: 1 token for 1.2 steps; closed, and every probe fails
+        probes += not cycle(0)
+    assert gate.ar_mode and probes > 40 and gate.interval == gate.max_probe_every * gate.price
+    while cycle(2):  # the acceptance is back: the next probe reopens the gate
+        pass
+    assert not gate.ar_mode
+    assert not cycle(2) and not gate.ar_mode  # and it stays open while trees pay
+    with pytest.raises(ValueError, match="probe_window"):
+        ARGate(probe_window=0)
+
+
 # ------------------------------------------------------------------------------------------ the machine's static tree
 
 

@@ -11,8 +11,12 @@ gate watches the cycles the policy drafts:
   throughput.
 * **Closing.** Once ``min_cycles`` drafted cycles put it below the autoregressive rate ``1 / (verify(0, L) +
   other_s)``, cycles become AR steps.
-* **Probes.** After ``interval`` AR steps the policy drafts one cycle again; probes enter the averages, AR mode
-  ends when they lift the throughput back over the AR rate, and each probe that does not doubles the interval.
+* **Probes.** After ``interval`` AR steps the policy drafts one cycle again. Probes are judged on their own: AR
+  mode ends when the latest ``probe_window`` probes (since closing) earn at least the AR rate, and the averages then
+  start from them; each probe that does not doubles the interval. (Probes entering the long averages with weight
+  ``smoothing`` instead could not lift them after a bad stretch: on the H100 member, where trees pay 2x, that kept
+  generations in AR mode at the longest interval; judging the probes alone moved LTD there from 2.14x to 2.18x
+  modelled, docs/adapting.md.)
   Intervals are counted in units of the probe's price: ``probe_every`` (up to ``max_probe_every``) times the cost of
   the policy's smallest tree in AR steps, so a probe never costs more than about ``1/probe_every`` of the time.
 * **Hopeless machines.** A generation starts in AR mode, at the longest interval, where even the policy's smallest
@@ -31,7 +35,7 @@ class ARGate:
     """See the module docstring."""
 
     def __init__(self, probe_every: int = 8, smoothing: float = 0.05, min_cycles: int = 8,
-                 max_probe_every: int = 64, optimistic: float = 0.8) -> None:
+                 max_probe_every: int = 64, optimistic: float = 0.8, probe_window: int = 2) -> None:
         if probe_every < 1 or min_cycles < 1 or not 0.0 < smoothing <= 1.0 or max_probe_every < probe_every:
             raise ValueError(f"need probe_every >= 1, min_cycles >= 1, smoothing in (0, 1] and max_probe_every >= "
                              f"probe_every, got {probe_every}, {min_cycles}, {smoothing}, {max_probe_every}")
@@ -39,6 +43,9 @@ class ARGate:
             raise ValueError(f"optimistic must be a probability in [0, 1], got {optimistic}")
         self.probe_every, self.smoothing, self.min_cycles = int(probe_every), float(smoothing), int(min_cycles)
         self.max_probe_every, self.optimistic = int(max_probe_every), float(optimistic)
+        if probe_window < 1:
+            raise ValueError(f"probe_window must be >= 1, got {probe_window}")
+        self.probe_window = int(probe_window)
         self.latency = None
         self.reset()
 
@@ -54,6 +61,7 @@ class ARGate:
         self.drafted = 0  # drafted cycles in the averages
         self.ar_mode = False
         self.ar_cycles = 0
+        self.probes: list[tuple[float, float]] = []  # (tokens, seconds) of the latest probes
         self.price = 1.0  # AR steps one probe costs (the smallest tree's cycle time over an AR step)
         self.interval = float(self.probe_every)  # AR steps between probes
         self.first = True
@@ -102,15 +110,19 @@ class ARGate:
             return
         t = lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes, rec.context_len)
         ar_rate = 1.0 / max(lat.ar_step(rec.context_len), 1e-12)
+        tokens = rec.accepted + 1
+        if self.ar_mode:  # a probe: the latest probes earn the AR rate, or the next one waits longer
+            self.probes = (self.probes + [(tokens, t)])[-self.probe_window:]
+            probe_tokens, probe_seconds = (sum(x) / len(self.probes) for x in zip(*self.probes))
+            if probe_tokens < ar_rate * probe_seconds:
+                self.interval = min(2 * self.interval, self.max_probe_every * self.price)
+                return
+            self.ar_mode, self.interval = False, self.probe_every * self.price
+            self.tokens, self.seconds = probe_tokens, probe_seconds
+            return
         a = max(self.smoothing, 1.0 / (self.drafted + 1))  # a plain mean over the first 1/smoothing cycles
-        self.tokens += a * (rec.accepted + 1 - self.tokens)
+        self.tokens += a * (tokens - self.tokens)
         self.seconds += a * (t - self.seconds)
         self.drafted += 1
-        slower = self.tokens < ar_rate * self.seconds
-        if self.ar_mode:  # a probe: it lifted the average back over the AR rate, or the next one waits longer
-            if slower:
-                self.interval = min(2 * self.interval, self.max_probe_every * self.price)
-            else:
-                self.ar_mode, self.interval = False, self.probe_every * self.price
-        elif slower and self.drafted >= self.min_cycles:
-            self.ar_mode, self.ar_cycles = True, 0
+        if self.tokens < ar_rate * self.seconds and self.drafted >= self.min_cycles:
+            self.ar_mode, self.ar_cycles, self.probes = True, 0, []
