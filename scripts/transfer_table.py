@@ -14,7 +14,7 @@ costaware's acceptance and the chain rates are fitted on the training traces too
 
 Learned methods run as shipped (their runtime defaults: the AR fallback, the chain when their policies observe the
 match), with policy folders overridable to compare candidates before shipping them. Resumable: members already in
-OUT.json (same settings) are kept.
+OUT.json (same settings) are kept; ``--refresh ltd,radar`` replays those methods again on them.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def calibrations(train, folder: Path) -> tuple[Path, Path]:
     return acc, chain
 
 
-def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict) -> dict:
-    """One member: every method's row, the best static tree, the oracles."""
+def method_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict,
+                methods=METHODS) -> dict:
+    """One member's rows of ``methods`` (without their fractions of the oracle's gain)."""
     lat = member.model
     tuned = best_static(train, lat, widths=(10,), depths=range(1, 13))
     by_depth = tuned.size_by_depth()
@@ -89,7 +90,7 @@ def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Pat
                 "size_by_depth": {str(d): v for d, v in by_depth.items()}}, tuned_file)
     machine = {"latency": str(latency_file), "acceptance": str(acc), "chain": str(chain), "tuned": str(tuned_file)}
     rows = {}
-    for name in METHODS:
+    for name in methods:
         opts = dict(policies.get(name, {}))
         try:
             if name == "static-gs":
@@ -102,16 +103,31 @@ def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Pat
             continue
         rows[name] = {k: round(float(s[k]), 5) for k in ("modelled_speedup", "tau", "mean_depth", "mean_size")}
         rows[name]["chains"] = bool(getattr(ctl, "chain_rule", None) is not None or name in ("hybrid", "ngram"))
-    rows["static-gs"]["tree"] = f"D{tuned.depth} V{tuned.size}"
+        if name == "static-gs":
+            rows[name]["tree"] = f"D{tuned.depth} V{tuned.size}"
+    return rows
+
+
+def add_fractions(row: dict) -> None:
+    """Each method's fraction of the oracle's gain (of the chain oracle's for methods that verify chains)."""
+    for r in (r for r in row["methods"].values() if "skipped" not in r):
+        r["frac_oracle"] = fraction_of_oracle_gain(r["modelled_speedup"],
+                                                   row["oracle_chains"] if r["chains"] else row["oracle"])
+
+
+def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict) -> dict:
+    """One member: every method's row, the best static tree, the oracles."""
+    lat = member.model
+    rows = method_rows(member, latency_file, traces, train, acc, chain, policies)
     best = best_static(traces, lat, widths=(10,), depths=range(1, 13))
     orc = oracle_all(traces, lat, widths=(10,)).speedup
     orc_c = oracle_all(traces, lat, widths=(10,), chains=CHAINS, sizes=CHAIN_ORACLE_SIZES).speedup
-    for r in (r for r in rows.values() if "skipped" not in r):
-        r["frac_oracle"] = fraction_of_oracle_gain(r["modelled_speedup"], orc_c if r["chains"] else orc)
-    return {"member": member.name, "group": member.group, "held_out": member.held_out, "source": member.source,
-            "cost_features": [round(x, 4) for x in cost_features(lat)], "verify64_ratio": round(verify_ratio(lat), 3),
-            "best_static": {"tree": f"D{best.depth} V{best.size}", "speedup": round(best.speedup, 5)},
-            "oracle": round(orc, 5), "oracle_chains": round(orc_c, 5), "methods": rows}
+    row = {"member": member.name, "group": member.group, "held_out": member.held_out, "source": member.source,
+           "cost_features": [round(x, 4) for x in cost_features(lat)], "verify64_ratio": round(verify_ratio(lat), 3),
+           "best_static": {"tree": f"D{best.depth} V{best.size}", "speedup": round(best.speedup, 5)},
+           "oracle": round(orc, 5), "oracle_chains": round(orc_c, 5), "methods": rows}
+    add_fractions(row)
+    return row
 
 
 def checks(row: dict) -> dict[str, bool]:
@@ -181,7 +197,13 @@ def main() -> None:
     for name in LEARNED:
         ap.add_argument(f"--{name}", default=None, help=f"a {name} policy folder instead of the shipped one")
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
+    ap.add_argument("--refresh", default="", help="comma-separated methods to replay again on the members already "
+                                                  "in OUT.json, keeping the rest of their rows (after a change to "
+                                                  "those methods; the oracles take most of a member's time)")
     args = ap.parse_args()
+    refresh = [m for m in args.refresh.split(",") if m]
+    if set(refresh) - set(METHODS):
+        raise SystemExit(f"transfer_table: --refresh {sorted(set(refresh) - set(METHODS))}: not among {METHODS}")
 
     if not (Path(args.traces) / "manifest.json").is_file():
         record(args.traces)
@@ -205,22 +227,31 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"transfer_table: no member {sorted(unknown)} in {args.family}")
         members = [m for m in members if m.name in want]
-    meta = {"traces": args.traces, "train_traces": args.train_traces, "family": args.family,
+    family = Path(args.family).resolve()
+    family = family.relative_to(Path.cwd()) if family.is_relative_to(Path.cwd()) else family  # no machine paths
+    meta = {"traces": args.traces, "train_traces": args.train_traces, "family": str(family),
             "prompts": [t.key for t in traces], "policies": policies, "chains": CHAINS}
     done: dict[str, dict] = {}
     if out.with_suffix(".json").is_file():
         old = json.loads(out.with_suffix(".json").read_text())
         if old.get("meta") == meta:
             done = {r["member"]: r for r in old["rows"]}
+        elif refresh:
+            raise SystemExit(f"transfer_table: --refresh needs {out.with_suffix('.json')} made with the same settings")
     from tqdm import tqdm
 
     rows = []
     t0 = time.perf_counter()
     for m in tqdm(members, desc="members", unit="member"):
+        latency_file = Path(args.family).parent / f"{m.name}.json"
         if m.name not in done:
-            done[m.name] = member_rows(m, Path(args.family).parent / f"{m.name}.json", traces, train, acc, chain,
-                                       policies)
-            write_json({"meta": meta, "rows": list(done.values())}, out.with_suffix(".json"))
+            done[m.name] = member_rows(m, latency_file, traces, train, acc, chain, policies)
+        elif refresh:
+            done[m.name]["methods"].update(method_rows(m, latency_file, traces, train, acc, chain, policies, refresh))
+            add_fractions(done[m.name])
+        else:
+            continue
+        write_json({"meta": meta, "rows": list(done.values())}, out.with_suffix(".json"))
         rows.append(done[m.name])
     result = {"meta": meta, "rows": rows, "summary": summary(rows), "seconds": round(time.perf_counter() - t0, 1)}
     write_json(result, out.with_suffix(".json"))
