@@ -307,8 +307,8 @@ def test_joint_choice_is_the_brute_force_optimum(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_chain_rule_verifies_the_chain_tokens_worth_their_time(seed):
     """ChainRule (the learned methods' chain): the k that maximises the chain's expected accepted tokens beyond the
-    head's shared nodes minus their verification time at the AR rate, by brute force; the whole chain without a
-    latency model; features in [0, 1], 0 without a match, independent of the chain's length."""
+    head's shared nodes minus their verification time at the method's throughput (the AR rate at least), by brute
+    force; the whole chain without a latency model; features in [0, 1], 0 without a match, independent of the chain's length."""
     rng = np.random.default_rng(seed)
     toks = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3]
     cal = ChainCalibration(4, [1], [np.sort(rng.uniform(0.05, 0.98, 16))[::-1].tolist()])
@@ -333,6 +333,16 @@ def test_chain_rule_verifies_the_chain_tokens_worth_their_time(seed):
         values = [c[max(k, s)] - c[s] - (latency.verify_time(v + max(0, k - s), 20) - latency.verify_time(v, 20))
                   / latency.ar_step(20) for k in range(11)]
         assert rule.choose(tree, plan, v) == int(np.argmax(values)), (v, values)
+    for rate in (0.5, 3.0, 40.0):  # priced at the method's throughput (tokens/AR step), never below the AR rate
+        rule.rate = rate / latency.ar_step(20)
+        for v in range(5):
+            s = min(v, 2)
+            values = [c[max(k, s)] - c[s] - max(rate, 1.0) * (latency.verify_time(v + max(0, k - s), 20)
+                                                              - latency.verify_time(v, 20)) / latency.ar_step(20)
+                      for k in range(11)]
+            assert rule.choose(tree, plan, v) == int(np.argmax(values)), (rate, v, values)
+    assert rule.choose(tree, plan, 0) < 10  # at 40 tokens per AR step no chain token is worth its time
+    rule.rate = None
     rule.begin(context([1, 2, 3, 4]))  # nothing repeats
     assert rule.features() == [0.0, 0.0, 0.0] and rule.choose(None, TreePlan(1, 0, 0), 0) == 0
     with pytest.raises(ValueError, match="positive integer, got 0"):

@@ -400,6 +400,14 @@ def test_ltd_with_a_context_chain_is_lossless_and_replays_like_the_live_engine(m
     checks = lossless_replays(Engine(target, head), make, PROMPTS + REPEATS, chain_traces, N_NEW)
     assert sum(c.chain_accepted for check in checks for c in check.live.cycles) > 0
     assert make().chain_rule.tokens == (16 if observes else 8)
+    ctl, priced = make(), 0  # the chain is priced at the gate's running throughput once it has one
+    for t in chain_traces:
+        simulate(ctl, [t], LAT, measure_policy=False)
+        assert ctl.chain_rule.rate == ctl.gate.throughput()
+        priced += ctl.chain_rule.rate is not None
+    assert priced > 0
+    ctl.reset()  # and from each generation's start at the AR rate again
+    assert ctl.chain_rule.rate is None and ctl.gate.throughput() is None
 
 
 def test_match_observations_and_their_errors(models, tmp_path):

@@ -103,6 +103,13 @@ class ARGate:
         self.ar_cycles = 0
         return False
 
+    def throughput(self) -> float | None:
+        """The drafted cycles' modelled tokens per second (the moving averages), or None before ``min_cycles`` of
+        them."""
+        if self.drafted < self.min_cycles or self.seconds <= 0.0:
+            return None
+        return self.tokens / self.seconds
+
     def record(self, rec: CycleRecord) -> None:
         """After a cycle: update the averages with a drafted cycle, decide on AR mode."""
         lat = self.latency

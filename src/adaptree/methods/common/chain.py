@@ -368,11 +368,15 @@ class ChainRule:
     * :meth:`begin` (in ``begin_cycle``): the longest earlier match of the context; its continuation (``tokens``
       long) is the plan's chain; :meth:`features` describe it (:data:`MATCH_FEATURES`).
     * :meth:`choose` (``choose_chain``): with a latency model, the chain length ``k`` that maximises
-      ``C(max(k, s)) - C(s) - (verify(V + max(0, k - s)) - verify(V)) / ar_step``, ``C`` the calibrated expected
+      ``C(max(k, s)) - C(s) - rate * (verify(V + max(0, k - s)) - verify(V))``, ``C`` the calibrated expected
       accepted chain tokens at the cycle's temperature (:meth:`ChainCalibration.probs`), ``s`` the chain's first
       tokens already among the head's top-V nodes: a chain token is verified when its acceptance is worth its
-      verification time at the autoregressive rate (the least a drafting controller earns). Without a latency model,
-      the whole chain.
+      verification time at the tokens per second the method earns (``rate``: its AR gate's running throughput, set
+      by the controller after each cycle, as hybrid's Dinkelbach rule prices nodes; never below the autoregressive
+      rate, which stands in until the gate has an estimate). Without a latency model, the whole chain.
+      (At the AR rate alone, on the replayed family, the learned methods verified chain tokens that cost more than
+      they earned where verification grows steeply: LTD 2.04x -> 2.13x on the AVX-512 1-thread bf16 profile with
+      the running rate, docs/adapting.md.)
 
     Decisions depend on the context and the modelled costs only: replay makes the live engine's decisions.
     """
@@ -382,6 +386,7 @@ class ChainRule:
             raise ValueError(f"chain tokens must be a positive integer, got {tokens!r}")
         self.cal, self.tokens = calibration, tokens
         self.latency = None
+        self.rate: float | None = None  # tokens per second the method earns (None: the AR rate)
         self.begin_match(None, 0)
 
     @classmethod
@@ -440,7 +445,8 @@ class ChainRule:
         ks = np.arange(k_max + 1)
         added = np.maximum(ks - s, 0)
         verify = lat.verify_times(size + added, L) - lat.verify_time(size, L)
-        value = self.gain[np.maximum(ks, s)] - self.gain[s] - verify / max(lat.ar_step(L), 1e-12)
+        rate = max(1.0 / max(lat.ar_step(L), 1e-12), self.rate or 0.0)
+        value = self.gain[np.maximum(ks, s)] - self.gain[s] - rate * verify
         return int(np.argmax(value))
 
 

@@ -5,7 +5,8 @@
   places (``Config(W, D, V)``); its fields are keyword-only.
 * :class:`LearnedSeam`: the controller hooks that follow from them: the chain rule (:class:`~.chain.ChainSeam`) and
   the AR gate (:class:`~.ar_gate.ARGate`) get the latency model, the gate starts again with every generation and
-  sees every cycle's record, and a cycle is the policies' plan with the context's chain, or an AR step.
+  sees every cycle's record (the chain rule prices its tokens at the gate's throughput), and a cycle is the
+  policies' plan with the context's chain, or an AR step.
 
 Both are shared so that the three methods cannot drift apart in what a flag means or when the fallback acts: the
 simulator's replay of one is then the replay of all.
@@ -99,10 +100,14 @@ class LearnedSeam(ChainSeam):
     def reset(self) -> None:
         if self.gate is not None:
             self.gate.reset()
+        if self.chain_rule is not None:
+            self.chain_rule.rate = None
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
             self.gate.record(record)
+            if self.chain_rule is not None:  # chain tokens are priced at what the method earns
+                self.chain_rule.rate = self.gate.throughput()
 
     def begin_chain(self, ctx: CycleContext) -> tuple[int, ...]:
         """The cycle's chain (empty without a chain rule or a match); :meth:`match_features` then describe it."""
