@@ -136,3 +136,42 @@ def test_kill_pid_interrupts_a_command_as_ctrl_c_does(monkeypatch, capsys):
         assert signal.getsignal(signal.SIGTERM) is outside  # restored after the command
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_every_model_loading_command_takes_a_checked_device(capsys, monkeypatch):
+    """``--device`` on every command that loads a model, checked before anything loads (a device this torch does not
+    see is named in the error), and handed to the pipeline."""
+    import torch
+
+    from adaptree.cli import build_parser
+    from adaptree.cli import common
+
+    p = build_parser()
+
+    def commands(parser, path=()):  # every (sub)command's parser
+        yield path, parser
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield from commands(sp, path + (name,))
+
+    loaders = {" ".join(path) for path, sp in commands(p) if any("--model" in a.option_strings for a in sp._actions)}
+    with_device = {" ".join(path) for path, sp in commands(p) if any("--device" in a.option_strings
+                                                                      for a in sp._actions)}
+    assert {"generate", "bench", "serve", "adapt", "traces record", "train ltd", "train resps"} <= loaders
+    assert loaders <= with_device, loaders - with_device
+    assert p.parse_args(["generate", "hi"]).device == "cpu"
+    for bad, why in (("mps", "cpu or cuda"), ("tpu", "not a device"), ("cuda:x", "not a device")):
+        with pytest.raises(SystemExit):
+            p.parse_args(["generate", "hi", "--device", bad])
+        assert why in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", "--device", "cuda"])
+        assert "sees no CUDA device" in capsys.readouterr().err
+
+    seen = {}
+    monkeypatch.setattr("adaptree.api.load", lambda *a, **k: seen.update(k) or (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError):
+        common.load_pipeline(p.parse_args(["generate", "hi", "--device", "cpu"]))
+    assert seen["device"] == "cpu"

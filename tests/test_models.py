@@ -187,6 +187,19 @@ def test_kv_cache_incremental_matches_full(kind):
     assert pos == 37
 
 
+def test_positions_past_the_context_limit_are_named():
+    """A position at or past max_seq_len fails before the forward runs, naming it (on the CPU the positions are read;
+    on an accelerator the bound is the cache's length plus the new tokens, read without waiting for the device)."""
+    from conftest import tiny_target
+
+    model = tiny_target()
+    limit = model.max_seq_len
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    assert model(ids, position_ids=torch.tensor([limit - 2, limit - 1])).logits.shape == (1, 2, 16)
+    with pytest.raises(ValueError, match=f"position {limit} exceeds the model's context limit {limit}"):
+        model(ids, position_ids=torch.tensor([limit - 1, limit]))
+
+
 # ------------------------------------------------------------------------------------------------
 # (c) tree attention, KV compaction
 # ------------------------------------------------------------------------------------------------

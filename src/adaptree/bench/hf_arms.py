@@ -37,7 +37,7 @@ DEFAULT_ASSISTANTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 
 def hf_twin(target):
-    """A transformers model carrying exactly our target's weights (same dtype)."""
+    """A transformers model carrying exactly our target's weights (same dtype, same device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(target.config.to_hf_dict())
@@ -52,7 +52,7 @@ def hf_twin(target):
                            f"unexpected {unexpected[:5]}")
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model
+    return model.to(target.device)
 
 
 class HFArm:
@@ -135,21 +135,23 @@ def hf_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecip
                                      "max_seq_len": pipeline.max_seq_len,
                                      "eos_token_ids": [int(t) for t in pipeline.tokenizer.eos_token_ids],
                                      "assistant_model": assistant,
-                                     "fingerprint": weights_fingerprint(pipeline.target)}, group="hf")
+                                     "fingerprint": weights_fingerprint(pipeline.target),
+                                     "device": str(pipeline.target.device)}, group="hf")
 
 
 def build_hf_arms(methods: Sequence[str], model: str | None, dtype: torch.dtype, max_seq_len: int | None,
-                  eos_token_ids: Sequence[int], assistant_model: str | None, fingerprint: str) -> dict[str, HFArm]:
+                  eos_token_ids: Sequence[int], assistant_model: str | None, fingerprint: str,
+                  device: str = "cpu") -> dict[str, HFArm]:
     """The Hugging Face arms ``methods`` on ``model`` loaded again (in a worker process), sharing one transformers
-    copy of it. ``fingerprint`` (:func:`weights_fingerprint` of the bench's model) must match what loaded: the
-    reference arms run on exactly the bench's weights."""
+    copy of it on ``device`` (the bench pipeline's). ``fingerprint`` (:func:`weights_fingerprint` of the bench's
+    model) must match what loaded: the reference arms run on exactly the bench's weights."""
     from adaptree.models import load_model
 
     target, _ = load_model(model, dtype=dtype, max_seq_len=max_seq_len)
     if weights_fingerprint(target) != fingerprint:
         raise ValueError(f"model {model or 'default'!r} loaded in the Hugging Face arms' worker holds other weights "
                          "than the bench's model: load the bench's pipeline with adaptree.load")
-    hf = hf_twin(target)
+    hf = hf_twin(target).to(device)
     del target
-    assistant = hf_twin(load_model(assistant_model, dtype=dtype)[0]) if assistant_model else None
+    assistant = hf_twin(load_model(assistant_model, dtype=dtype)[0]).to(device) if assistant_model else None
     return {m: HFArm(hf, m, eos_token_ids, assistant=assistant if m == "hf_assisted" else None) for m in methods}

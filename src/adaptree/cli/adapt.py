@@ -35,10 +35,11 @@ def cmd_adapt(args) -> int:
         torch.set_num_threads(args.threads)
 
     def load_mode(mode):  # the pipeline in ``mode``, its attention dtype measured (choose_execution compiles, adapts)
-        return load_execution(args.model, args.draft, mode, "cpu", args.max_seq_len, measure=True, compile="off")
+        return load_execution(args.model, args.draft, mode, args.device, args.max_seq_len, measure=True,
+                              compile="off")
 
-    candidates = execution_candidates(args.model, "cpu", args.dtype, args.weights)
-    p = choose_execution(load_mode, candidates, args.model, args.draft, "cpu", args.max_seq_len, cfg,
+    candidates = execution_candidates(args.model, args.device, args.dtype, args.weights)
+    p = choose_execution(load_mode, candidates, args.model, args.draft, args.device, args.max_seq_len, cfg,
                          force=args.force, progress=progress, compile=args.compile)
     setup = p.machine
     if setup is None:

@@ -38,6 +38,26 @@ def positive_int(text: str) -> int:
 _NOUNS = {int: "integers", float: "numbers", positive_int: "integers >= 1"}
 
 
+def device_type(text: str) -> str:
+    """A ``--device`` value: ``cpu``, ``cuda`` or ``cuda:N`` of a device this machine has (checked here, so a bad value
+    fails before a model is loaded)."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {text!r}: adaptree runs on cpu or cuda, not {dev.type}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"device {text!r}: this torch ({torch.__version__}) sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"device {text!r}: this machine has {torch.cuda.device_count()} CUDA "
+                                             f"device(s), cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return text
+
+
 def comma_type(convert: Callable[[str], Any] = int, container: type = tuple, allow_empty: bool = False):
     """argparse type: ``"4,8,10"`` -> ``(4, 8, 10)`` (``container`` of ``convert``-ed items, blanks skipped)."""
 
@@ -412,8 +432,7 @@ def build_controller(args: argparse.Namespace, head=None, tokenizer=None):
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "", adapt: bool = True) -> None:
     """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--weights``, ``--compile``,
-    ``--threads``,
-    ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
+    ``--device``, ``--threads``, ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
     measure or train on purpose take ``adapt=False`` and an explicit dtype."""
     from adaptree.adapt.execution import DTYPES
     from adaptree.models import DEFAULT_MODEL_NAME, MODELS
@@ -438,6 +457,9 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
                    help="run decode steps and small trees through torch.compile: auto = up to the tree size where it "
                         "measured faster on this machine (measured once with the machine setup, cached; costs seconds "
                         "per process on the first generation), on, off (default auto)")
+    g.add_argument("--device", type=device_type, default="cpu",
+                   help="where the target and the head run: cpu (default), cuda or cuda:N; the machine setup is kept "
+                        "per device")
     g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="context limit (default: the model's, <= 8192)")
@@ -454,7 +476,7 @@ def load_pipeline(args: argparse.Namespace):
     from adaptree.api import load
 
     p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, weights=args.weights,
-             compile=args.compile, threads=args.threads,
+             compile=args.compile, device=args.device, threads=args.threads,
              max_seq_len=args.max_seq_len, adapt=getattr(args, "adapt", False),
              progress=not getattr(args, "quiet", False))
     args.draft_path = str(p.head_folder) if p.head_folder else None

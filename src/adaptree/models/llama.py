@@ -477,8 +477,12 @@ class Transformer(nn.Module):
             position_ids = torch.arange(past, past + t, device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        if int(position_ids.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(position_ids.max())} exceeds the model's context limit {self.max_seq_len}")
+        if position_ids.device.type == "cpu":  # reading them on an accelerator would wait for it every forward
+            if int(position_ids.max()) >= self.max_seq_len:
+                raise ValueError(f"position {int(position_ids.max())} exceeds the model's context limit "
+                                 f"{self.max_seq_len}")
+        elif past + t > self.max_seq_len:  # the engine's positions lie in past .. past + t - 1 (a tree: past + depth)
+            raise ValueError(f"{past} cached + {t} new tokens exceed the model's context limit {self.max_seq_len}")
         cos, sin = self.rotary(position_ids, self.attn_dtype)
         mask = build_attn_mask(past, tree_mask, t, input_ids.device)
         x = self.model.embed_tokens(input_ids)
