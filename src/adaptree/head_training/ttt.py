@@ -162,7 +162,7 @@ def ttt_forward(head, feats: torch.Tensor, input_ids: torch.Tensor, steps: int,
     # bf16: the norms then see their weights' dtype (fused kernels) and the sums keep full precision.
     h = head.fc(feats.to(device=head.device, dtype=head.dtype)).to(head.dtype)
     pos = torch.arange(t, device=h.device)[None]
-    cos, sin = head._rope(pos, head.dtype)
+    cos, sin = head._rope(pos, head.dtype, t)
     emb = layer.input_layernorm(head._embed(input_ids.to(h.device), h))  # the same tokens at every step
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []

@@ -390,8 +390,11 @@ class Eagle3Head(nn.Module):
 
     # ---- rotary -----------------------------------------------------------------------------------
 
-    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(position_ids.max()) + 1
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at ``position_ids``, the table grown past the largest: read on the CPU; on an accelerator (reading
+        it would wait for the device every draft step) ``bound``, the cache's length plus the new positions, which
+        bounds every position the engine and the trainer pass (a tree level's positions are L + depth)."""
+        need = int(position_ids.max()) + 1 if position_ids.device.type == "cpu" else bound
         cos = self.rotary.cos
         if cos.is_meta or need > self._rope_len or cos.device != position_ids.device or cos.dtype != torch.float32:
             if need > self._rope_len:
@@ -447,7 +450,7 @@ class Eagle3Head(nn.Module):
         position_ids = position_ids.to(h.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        cos, sin = self._rope(position_ids, self.attn_dtype)
+        cos, sin = self._rope(position_ids, self.attn_dtype, past + t)
         mask = build_attn_mask(past, tree_mask, t, h.device)
         emb = self._embed(input_ids, h)
         out = self.midlayer(emb, h, cos, sin, cache, mask)
