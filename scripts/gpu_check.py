@@ -10,7 +10,7 @@ Steps (each timed; a step that fails is recorded and the next one runs):
 2. the forward curve: one target forward over T = 1 .. 256 new tokens after 256 cached, median of 20, bf16 and
    float32 (what the latency model's verification term is made of; the H100 run of 2026-11-26 measured 8.5 ms at
    T = 1, host-bound);
-3. the machine setup (``adaptree.load(device=...)``, dtype auto): its seconds (issue 41's goal: <= 60 s), the mode,
+3. the machine setup (``adaptree.load(device=...)``, dtype auto): its seconds (the goal: <= 60 s), the mode,
    static tree and default method, and what every method models there;
 4. fp32 losslessness: every registered method's greedy ids against AR's on the first MT-bench and HumanEval
    prompts (the setup's latency model, calibrations and static tree given, so the AR gate, the chains and the

@@ -285,3 +285,27 @@ def test_streaming_callback_sees_every_token(tiny_pair):
     seen = []
     res = Engine(target, head).generate([5, 6], StaticController(), max_new_tokens=17, on_tokens=seen.extend)
     assert seen == res.token_ids
+
+
+def test_host_reads_per_cycle(tiny_pair):
+    """The host reads of tensor values a cycle makes (each a wait for a GPU): one per AR step and per static-tree
+    cycle on an accelerator (the packed greedy verification; a CPU run also tells chains from trees); the counter
+    sees every kind of read, and leaves the CPU-only ones out of the accelerator count."""
+    from adaptree.bench.host_reads import HostReads
+    from adaptree.models.llama import cpu_max
+
+    x = torch.arange(6)
+    with HostReads() as reads:
+        x.tolist(), int(x[0]), float(x[1]), bool(x[2] > 1), x.max().item(), x.numpy(), x.cpu(), cpu_max(x)
+    assert reads.total == 8 and reads.accelerator == 7 and reads.kinds["__int__"] == 2
+    sites = dict(reads.top(2))
+    assert sites["outside adaptree"] == 7 and reads.per_cycle(7, accelerator=True) == 1.0
+    assert [n for site, n in sites.items() if site.startswith("models/llama.py") and "(cpu_max)" in site] == [1]
+    target, head = tiny_pair
+    eng = Engine(target, head)
+    for ctl in (make_controller("ar"), StaticController(StaticConfig(width=3, depth=4, size=8))):
+        with HostReads() as reads:
+            res = eng.generate(PROMPTS[0], ctl, max_new_tokens=20)
+        assert reads.accelerator <= len(res.cycles) + 1, (ctl.name, reads.top(5))  # + the prefill's first token
+    with pytest.raises(ValueError, match="cycles must be >= 1"):
+        reads.per_cycle(0)

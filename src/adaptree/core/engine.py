@@ -175,18 +175,21 @@ class _ModelSource(CycleSource):
         if chain:
             vtree, rec.chain_nodes = add_chain(vtree, chain)
         t0 = time.perf_counter()
+        # a chain runs as causal attention; telling costs a read of the tree, so on an accelerator only the root
+        # alone (AR) does, and other chains pass their (causal) tree mask
+        causal = is_chain(vtree) if self.dev.type == "cpu" or vtree.tokens.numel() == 1 else False
         out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
-                          tree_mask=None if is_chain(vtree) else vtree.mask, features=self.use_draft)
+                          tree_mask=None if causal else vtree.mask, features=self.use_draft)
         acc = verify(vtree, out.logits[0], self.sampling, self.gen)
         synchronize(self.dev)
         rec.verify_s = time.perf_counter() - t0
 
         path = acc.path
-        if acc.accepted == int(path[-1]):  # path is 0..k: the accepted nodes are already in place
+        if acc.accepted == acc.nodes[-1]:  # path is 0..k: the accepted nodes are already in place
             self.cache.truncate(L + acc.accepted + 1)
         else:
             self.cache.compact(L, path)
-        new = vtree.tokens[path[1:]].tolist() + [acc.bonus]
+        new = acc.tokens + [acc.bonus]
         if self.use_draft:
             feats = out.features[:, path]
             nxt = torch.tensor([new], dtype=torch.long, device=self.dev)

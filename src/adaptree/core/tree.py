@@ -90,15 +90,17 @@ class VerifyTree:
         return out
 
 
-def ancestor_mask(parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-    """Ancestor-or-self mask of a topologically ordered tree, filled one depth level at a time."""
+def ancestor_mask(parents: torch.Tensor, depth: torch.Tensor, max_depth: int | None = None) -> torch.Tensor:
+    """Ancestor-or-self mask of a topologically ordered tree, filled one depth level at a time. ``max_depth``: a
+    bound on ``depth`` known to the caller (the levels drafted), so that nothing is read back from the device
+    (default: read from ``depth``)."""
     n = parents.numel()
-    idx = torch.arange(n, device=parents.device)
-    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    mask[idx, idx] = True
-    for d in range(1, int(depth.max()) + 1 if n else 0):
-        level = (depth == d).nonzero().squeeze(1)
-        mask[level] |= mask[parents[level]]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    if max_depth is None:
+        max_depth = int(depth.max()) if n else 0
+    up = parents.clamp(min=0)
+    for d in range(1, max_depth + 1):  # each level takes its parent's row, complete by then
+        mask |= (depth == d)[:, None] & mask[up]
     return mask
 
 
@@ -250,14 +252,14 @@ class DraftTree:
         node_of[sel] = torch.arange(1, v + 1, device=dev)
         par_c = parents[sel]
         node_par = torch.where(par_c < 0, torch.zeros_like(par_c), node_of[par_c.clamp(min=0)])
-        if bool((node_par < 0).any()):  # cannot happen with the stable sort; guard the invariant
-            raise RuntimeError("selected draft nodes do not form a tree")
+        # cannot fail with the stable sort; checked without waiting for an accelerator
+        torch._assert_async((node_par >= 0).all(), "selected draft nodes do not form a tree")
         root = torch.tensor([self.root], dtype=torch.long, device=dev)
         all_tokens = torch.cat([root, tokens[sel]])
         all_par = torch.cat([torch.tensor([-1], device=dev), node_par])
         all_depth = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), depth[sel]])
         return VerifyTree(all_tokens, all_par, all_depth, self.context_len + all_depth,
-                          ancestor_mask(all_par, all_depth))
+                          ancestor_mask(all_par, all_depth, len(self._tokens)))  # candidates of level d: depth d
 
 
 def chain_walk(tree: VerifyTree, chain: Sequence[int]) -> list[int]:

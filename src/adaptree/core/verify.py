@@ -91,25 +91,35 @@ def sample_token(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator
 @dataclass
 class Acceptance:
     path: torch.Tensor
-    """Node indices of the accepted path, root first (length = accepted draft tokens + 1)."""
+    """Node indices of the accepted path, root first (length = accepted draft tokens + 1), on the tree's device."""
     bonus: int
     """The target's token after the last accepted node."""
+    nodes: list[int]
+    """``path`` on the host."""
+    tokens: list[int]
+    """The accepted draft tokens (the tokens of ``path[1:]``), on the host."""
 
     @property
     def accepted(self) -> int:
         """Number of accepted draft tokens (the root is not a draft token)."""
-        return int(self.path.numel()) - 1
+        return len(self.nodes) - 1
 
 
 def verify_greedy(tree: VerifyTree, logits: torch.Tensor) -> Acceptance:
-    """Longest path of argmax-consistent nodes; ``logits`` is ``[N, vocab]`` for the tree's nodes."""
+    """Longest path of argmax-consistent nodes; ``logits`` is ``[N, vocab]`` for the tree's nodes.
+
+    The decision is made on the tree's device and comes to the host in one transfer (the accepted node's ancestors,
+    the tree's tokens and the bonus token, packed): on a GPU each read of a value waits for the device."""
     pred = greedy_tokens(logits)
     correct = tree.tokens == pred[tree.parents.clamp(min=0)]
     correct[0] = True
     ok = ~(tree.mask & ~correct[None, :]).any(dim=1)  # every ancestor-or-self is correct
-    best = int(torch.where(ok, tree.depth, -1).argmax())
-    path = tree.mask[best].nonzero().squeeze(1)  # ancestors in topological = depth order
-    return Acceptance(path, int(pred[best]))
+    best = torch.where(ok, tree.depth, -1).argmax()
+    host = torch.cat([tree.mask[best].long(), tree.tokens, pred[best].view(1)]).tolist()
+    n = tree.tokens.numel()
+    nodes = [i for i in range(n) if host[i]]  # ancestors in topological = depth order
+    path = torch.tensor(nodes, dtype=torch.long, device=tree.tokens.device)
+    return Acceptance(path, host[-1], nodes, [host[n + i] for i in nodes[1:]])
 
 
 def verify_sample(tree: VerifyTree, logits: torch.Tensor, cfg: SamplingConfig,
@@ -139,7 +149,8 @@ def verify_sample(tree: VerifyTree, logits: torch.Tensor, cfg: SamplingConfig,
                 p /= p.sum()
         if nxt < 0:
             bonus = int(torch.multinomial(p, 1, generator=gen))
-            return Acceptance(torch.tensor(path, dtype=torch.long, device=tree.tokens.device), bonus)
+            return Acceptance(torch.tensor(path, dtype=torch.long, device=tree.tokens.device), bonus, path,
+                              [tokens[i] for i in path[1:]])
         path.append(nxt)
         cur = nxt
 

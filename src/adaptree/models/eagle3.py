@@ -56,6 +56,7 @@ from adaptree.models.llama import (
     Rotary,
     Transformer,
     build_attn_mask,
+    cpu_max,
     rope_inv_freq,
 )
 
@@ -394,7 +395,8 @@ class Eagle3Head(nn.Module):
         """cos/sin at ``position_ids``, the table grown past the largest: read on the CPU; on an accelerator (reading
         it would wait for the device every draft step) ``bound``, the cache's length plus the new positions, which
         bounds every position the engine and the trainer pass (a tree level's positions are L + depth)."""
-        need = int(position_ids.max()) + 1 if position_ids.device.type == "cpu" else bound
+        top = cpu_max(position_ids)
+        need = top + 1 if top is not None else bound
         cos = self.rotary.cos
         if cos.is_meta or need > self._rope_len or cos.device != position_ids.device or cos.dtype != torch.float32:
             if need > self._rope_len:

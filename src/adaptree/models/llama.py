@@ -107,6 +107,12 @@ class Rotary(nn.Module):
         return self.cos[position_ids].unsqueeze(1).to(dtype), self.sin[position_ids].unsqueeze(1).to(dtype)
 
 
+def cpu_max(t: torch.Tensor) -> int | None:
+    """The largest value of ``t`` where reading it is free (the CPU), None on an accelerator, where it would wait
+    for the device (:mod:`adaptree.bench.host_reads` leaves these reads out of its accelerator count)."""
+    return int(t.max()) if t.device.type == "cpu" else None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding with :class:`Rotary`'s sign-folded sine (equal to HF's rotate_half form)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
@@ -477,10 +483,10 @@ class Transformer(nn.Module):
             position_ids = torch.arange(past, past + t, device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
-        if position_ids.device.type == "cpu":  # reading them on an accelerator would wait for it every forward
-            if int(position_ids.max()) >= self.max_seq_len:
-                raise ValueError(f"position {int(position_ids.max())} exceeds the model's context limit "
-                                 f"{self.max_seq_len}")
+        top = cpu_max(position_ids)
+        if top is not None:
+            if top >= self.max_seq_len:
+                raise ValueError(f"position {top} exceeds the model's context limit {self.max_seq_len}")
         elif past + t > self.max_seq_len:  # the engine's positions lie in past .. past + t - 1 (a tree: past + depth)
             raise ValueError(f"{past} cached + {t} new tokens exceed the model's context limit {self.max_seq_len}")
         cos, sin = self.rotary(position_ids, self.attn_dtype)
