@@ -6,8 +6,8 @@ transfer), so a cycle should make as few as it can: at most one, or one per draf
 Python: ``item()``, ``tolist()``, ``int()``/``float()``/``bool()``/``__index__`` of a tensor, ``numpy()`` and
 ``cpu()``, each attributed to the first adaptree source line up the stack. On a CPU nothing waits, but the count
 measures the code, not the machine: :attr:`HostReads.accelerator` leaves out the reads the code makes only on a
-CPU (:data:`CPU_ONLY`), which gives what a GPU run reads. Run it with ``compile="off"`` (an active mode changes what Dynamo
-traces). Implicit waits of data-dependent shapes (``nonzero``, boolean indexing) are not counted.
+CPU (:data:`CPU_ONLY`), which gives what a GPU run reads. Run it with ``compile="off"`` (an active mode changes
+what Dynamo traces). Implicit waits of data-dependent shapes (``nonzero``, boolean indexing) are not counted.
 
     with HostReads() as reads:
         g = pipeline.generate(prompt, "hybrid", max_new_tokens=64)

@@ -432,8 +432,8 @@ def build_controller(args: argparse.Namespace, head=None, tokenizer=None):
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "", adapt: bool = True) -> None:
     """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--weights``, ``--compile``,
-    ``--device``, ``--threads``, ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline` reads. Commands that
-    measure or train on purpose take ``adapt=False`` and an explicit dtype."""
+    ``--device``, ``--threads``, ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline`
+    reads. Commands that measure or train on purpose take ``adapt=False`` and an explicit dtype."""
     from adaptree.adapt.execution import DTYPES
     from adaptree.models import DEFAULT_MODEL_NAME, MODELS
 
