@@ -554,6 +554,22 @@ def test_ar_fallback_takes_ar_steps_where_no_tree_pays_and_stays_lossless(models
         ARGate(smoothing=0.0)
 
 
+def test_ar_gate_calls_a_machine_hopeless_only_when_no_tree_size_can_pay():
+    """Where the step from one row to several costs 0.8 of a forward, a one-node tree cannot pay even optimistically,
+    but a few nodes can: not hopeless. Where every node costs 0.6 of a forward, no size pays: hopeless."""
+    from adaptree.methods.common import ARGate
+    from adaptree.offline.family import synthetic
+
+    gate = ARGate()
+    gate.latency = synthetic(step=0.8, growth=0.001, draft=0.1, other=0.005)
+    assert gate._ratio(10, 1, 1, 100) > 1.0 + gate.optimistic  # the smallest tree alone would say hopeless
+    assert not gate.hopeless(10, 1, 8, 100)
+    gate.latency = synthetic(step=0.8, growth=0.6, draft=0.1, other=0.005)
+    assert gate.hopeless(10, 1, 8, 100)
+    gate.reset()
+    assert gate.ar_step(10, 1, 8, 100) and gate.ar_mode  # a generation there starts in AR mode
+
+
 def test_ar_gate_reopens_at_the_probes_that_earn_the_ar_rate_again():
     """A long bad stretch closes the gate and its failed probes wait longer and longer; once the acceptance is back,
     the first probe that (with the one before it) earns more than AR steps reopens it: probes are judged on their
