@@ -10,15 +10,18 @@ Steps (each timed; a step that fails is recorded and the next one runs):
 2. the forward curve: one target forward over T = 1 .. 256 new tokens after 256 cached, median of 20, bf16 and
    float32 (what the latency model's verification term is made of; the H100 run of 2026-11-26 measured 8.5 ms at
    T = 1, host-bound);
-3. the machine setup (``adaptree.load(device=...)``, dtype auto): its seconds (the goal: <= 60 s), the mode,
+3. the fixed-shape steps (``adaptree.core.graphs``: CUDA graphs per size bucket) against the plain forward at the
+   same sizes, bf16 and float32: milliseconds, capture time and the largest logit difference; AR's tokens/s and
+   ids through each;
+4. the machine setup (``adaptree.load(device=...)``, dtype auto): its seconds (the goal: <= 60 s), the mode,
    static tree and default method, and what every method models there;
-4. fp32 losslessness: every registered method's greedy ids against AR's on the first MT-bench and HumanEval
+5. fp32 losslessness: every registered method's greedy ids against AR's on the first MT-bench and HumanEval
    prompts (the setup's latency model, calibrations and static tree given, so the AR gate, the chains and the
    learned policies all act);
-5. a short bench in the setup's dtype with float weights: every method and the Hugging Face reference arms,
+6. a short bench in the setup's dtype with float weights: every method and the Hugging Face reference arms,
    ``--prompts`` MT-bench + HumanEval first turns, ``--tokens`` new tokens.
 
-Files: ``summary.md`` (the tables), ``gpu_check.json`` (everything), ``forward_curve.json``, ``setup.json``,
+Files: ``summary.md`` (the tables), ``gpu_check.json`` (everything), ``forward_curve.json``, ``graph_steps.json``, ``setup.json``,
 ``bench.tar.gz`` (the bench folder: report, summary, results, plots) and ``log.txt``.
 """
 
@@ -99,6 +102,79 @@ def forward_curve(device: str, repeats: int) -> dict:
     return {"what": "one target forward over T new tokens after 256 cached positions, median of "
                     f"{repeats}, milliseconds (adaptree.bench.profile.profile_forward), eager, compile off",
             "ms": curves}
+
+
+def graph_steps(device: str, repeats: int) -> dict:
+    """The target's forward through the fixed-shape steps (adaptree.core.graphs, CUDA graphs on CUDA) against the
+    plain forward: per size, the milliseconds of each, the capture's, and the largest logit difference; then AR's
+    tokens/s through each on an MT-bench prompt."""
+    import statistics
+
+    import torch
+
+    import adaptree
+    from adaptree.core.engine import Engine, synchronize
+    from adaptree.core.graphs import StepGraphs
+    from adaptree.data.prompts import mt_bench
+    from adaptree.offline.latency import random_tree
+
+    dev = torch.device(device)
+    result = {}
+    for dtype in ("bfloat16", "float32"):
+        p = adaptree.load(device=device, dtype=dtype, weights="float", compile="off", adapt=False, progress=False)
+        tg = p.target
+        cache = tg.new_cache(1024)
+        with torch.inference_mode():
+            tg(torch.randint(0, tg.config.vocab_size, (1, 256), device=dev), cache=cache)
+            steps = StepGraphs(tg, cache)
+            gen = torch.Generator().manual_seed(0)
+            rows = {}
+            for n in CURVE_TOKENS:
+                depth, mask = random_tree(n, gen, dev)
+                ids = torch.randint(0, tg.config.vocab_size, (1, n), device=dev)
+                pos = (depth + 256).to(dev)
+
+                def plain():
+                    cache.length = 256
+                    return tg(ids, position_ids=pos, cache=cache, tree_mask=mask, features=True)
+
+                def fixed():
+                    cache.length = 256
+                    return steps.forward(ids, pos, mask)
+
+                synchronize(dev)
+                t0 = time.perf_counter()
+                b = fixed()  # the first use captures the bucket
+                synchronize(dev)
+                capture_ms = 1000 * (time.perf_counter() - t0)
+                a = plain()
+                diff = float((a.logits.float() - b.logits.float()).abs().max())
+                times = {"plain": [], "fixed": []}
+                for _ in range(repeats):
+                    for name, fn in (("plain", plain), ("fixed", fixed)):
+                        synchronize(dev)
+                        t0 = time.perf_counter()
+                        fn()
+                        synchronize(dev)
+                        times[name].append(1000 * (time.perf_counter() - t0))
+                rows[str(n)] = {"plain_ms": round(statistics.median(times["plain"]), 3),
+                                "fixed_ms": round(statistics.median(times["fixed"]), 3),
+                                "capture_ms": round(capture_ms, 1), "max_logit_diff": round(diff, 6)}
+        ar = {}
+        if dtype == "bfloat16":
+            ids = p.encode(mt_bench()[0].turns[0])
+            for graphs in (False, True):
+                eng = Engine(tg, None, max_seq_len=2048, graphs=graphs)
+                eng.generate(ids, max_new_tokens=8)
+                g = eng.generate(ids, max_new_tokens=128)
+                ar["graphs" if graphs else "plain"] = {"tokens_per_s": round(g.tokens_per_s, 1),
+                                                       "ids": g.token_ids}
+            ar["identical"] = ar["graphs"].pop("ids") == ar["plain"].pop("ids")
+        result[dtype] = {"ms": rows, **({"ar": ar} if ar else {})}
+        del p
+    return {"what": "target forward over T new tokens (random tree) after 256 cached: plain forward against the "
+                    "fixed-shape step (CUDA graph on CUDA), medians of interleaved runs; AR through each",
+            "by_dtype": result}
 
 
 def setup(device: str):
@@ -212,6 +288,9 @@ def main() -> None:
     c.result["forward_curve"] = c.step("forward curve", lambda: forward_curve(args.device, args.repeats))
     if c.result["forward_curve"]:
         (out / "forward_curve.json").write_text(json.dumps(c.result["forward_curve"], indent=1) + "\n")
+    c.result["graph_steps"] = c.step("fixed-shape steps", lambda: graph_steps(args.device, args.repeats))
+    if c.result["graph_steps"]:
+        (out / "graph_steps.json").write_text(json.dumps(c.result["graph_steps"], indent=1) + "\n")
     got = c.step("machine setup", lambda: setup(args.device))
     pipe, c.result["setup"] = got if got else (None, None)
     if c.result["setup"]:

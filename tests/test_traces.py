@@ -449,6 +449,29 @@ def test_calibrate_runs_on_tiny_models(models):
     assert bil.verify_knots is None and len(bil.verify) == 4
 
 
+def test_calibrate_times_the_buckets_of_a_graphed_engine(models):
+    """Timed through fixed-shape steps (on the CPU: uncaptured), the verification knots are the buckets up to the
+    one holding the largest size, widths are recorded as their buckets, and the model prices sizes by bucket."""
+    target, head = models
+    lat = calibrate(target, head, widths=(2, 3), sizes=(0, 5), lengths=(8, 32), repeats=1, graphs=True)
+    assert lat.buckets == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert lat.verify_knots == [1, 2, 4, 8]  # V + 1 = 6 lies in the bucket of 8
+    assert sorted({w for w, _, _ in lat.meta["draft_samples"]}) == [2, 4]
+    assert lat.verify_time(2, 20) == lat.verify_time(3, 20) and lat.draft_step(3, 20) == lat.draft_step(4, 20)
+    assert LatencyModel.from_dict(lat.to_dict()).buckets == lat.buckets
+    assert "buckets" in "\n".join(lat.describe())
+
+
+def test_latency_buckets_price_a_size_at_its_bucket():
+    lat = LatencyModel(draft=[1e-3, 1e-4, 0, 0], verify=[2e-3, 1e-4, 0, 0], buckets=[1, 2, 4, 8])
+    assert lat.verify_time(0, 10) == lat.verify_times(0, 10)  # N = 1
+    assert math.isclose(lat.verify_time(2, 10), 2e-3 + 4e-4) and lat.verify_time(3, 10) == lat.verify_time(2, 10)
+    assert math.isclose(lat.verify_time(9, 10), 2e-3 + 10e-4)  # past the last bucket: the rows themselves
+    assert math.isclose(lat.draft_step(5, 10), 1e-3 + 8e-4)
+    with pytest.raises(ValueError, match=r"buckets must be increasing sizes >= 1, got \[4, 2\]"):
+        LatencyModel(buckets=[4, 2])
+
+
 # Verification cost of a CPU-like machine: a step from 1 to 2 rows, then a gentle slope; linear in L per knot.
 KNOTS = [1, 2, 5, 17, 61, 241]
 KNOT_AT = {1: (0.040, 2e-5), 2: (0.060, 2e-5), 5: (0.064, 2.2e-5), 17: (0.080, 3e-5), 61: (0.150, 6e-5),

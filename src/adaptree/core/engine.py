@@ -23,6 +23,7 @@ import torch
 
 from adaptree.core.controller import AutoregressiveController, Controller
 from adaptree.core.cycle import CycleSource, emit, run_cycles
+from adaptree.core.graphs import StepGraphs
 from adaptree.core.records import CycleRecord, GenerationResult
 from adaptree.core.tree import DraftStep, DraftTree, add_chain, is_chain, root_only_tree
 from adaptree.core.verify import SamplingConfig, sample_token, verify
@@ -45,9 +46,13 @@ class Engine:
     :param head: the draft head; None allows only the autoregressive baseline.
     :param eos_token_ids: generation stops after any of these tokens (it is kept in the output).
     :param max_seq_len: context limit (prompt + generated); default: the target's.
+    :param graphs: run the target's decode steps and verifications and the head's draft steps at fixed shapes
+        (:class:`~adaptree.core.graphs.StepGraphs`), captured as CUDA graphs on CUDA; default: on CUDA only
+        (on a CPU the padded steps run eagerly and cost more than the plain forwards: for tests).
     """
 
-    def __init__(self, target, head=None, eos_token_ids: Sequence[int] = (), max_seq_len: int | None = None) -> None:
+    def __init__(self, target, head=None, eos_token_ids: Sequence[int] = (), max_seq_len: int | None = None,
+                 graphs: bool | None = None) -> None:
         self.target, self.head = target, head
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.max_len = min(max_seq_len or target.max_seq_len, target.max_seq_len)
@@ -60,6 +65,12 @@ class Engine:
                                  f"the target has {tc.hidden_size}")
         self.cache = target.new_cache(self.max_len)
         self.draft_cache = head.new_cache(self.max_len + TREE_SLOTS) if head is not None else None
+        if graphs is None:
+            graphs = target.device.type == "cuda"
+        self.steps = StepGraphs(target, self.cache) if graphs else None
+        """The fixed-shape target steps (None: plain forwards)."""
+        self.draft_steps = StepGraphs(head, self.draft_cache) if graphs and head is not None else None
+        """The draft head's fixed-shape steps (None: plain forwards)."""
         self._models = _ModelSource(self)
 
     @property
@@ -128,6 +139,7 @@ class _ModelSource(CycleSource):
     def __init__(self, engine: Engine) -> None:
         self.target, self.head, self.max_len = engine.target, engine.head, engine.max_len
         self.cache, self.draft_cache = engine.cache, engine.draft_cache
+        self.steps, self.draft_steps = engine.steps, engine.draft_steps
 
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingConfig, use_draft: bool, dev: torch.device) -> int:
         """Run the prompt through the target (caches reset); return the first token (the first root)."""
@@ -150,7 +162,7 @@ class _ModelSource(CycleSource):
 
     def draft(self, width: int, rec: CycleRecord) -> DraftStep:
         t0 = time.perf_counter()
-        tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length)
+        tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length, self.draft_steps)
         step = tree.first_step(self.pend_h, self.pend_t)
         self.pend_h = self.pend_t = None
         synchronize(self.dev)
@@ -178,8 +190,11 @@ class _ModelSource(CycleSource):
         # a chain runs as causal attention; telling costs a read of the tree, so on an accelerator only the root
         # alone (AR) does, and other chains pass their (causal) tree mask
         causal = is_chain(vtree) if self.dev.type == "cpu" or vtree.tokens.numel() == 1 else False
-        out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
-                          tree_mask=None if causal else vtree.mask, features=self.use_draft)
+        tree_mask = None if causal else vtree.mask
+        out = self.steps.forward(vtree.tokens[None], vtree.positions, tree_mask) if self.steps else None
+        if out is None:
+            out = self.target(vtree.tokens[None], position_ids=vtree.positions, cache=self.cache,
+                              tree_mask=tree_mask, features=self.use_draft)
         acc = verify(vtree, out.logits[0], self.sampling, self.gen)
         synchronize(self.dev)
         rec.verify_s = time.perf_counter() - t0

@@ -113,10 +113,13 @@ class DraftTree:
     :param width: beam width W.
     :param root: target token id of the root (the last token the target produced).
     :param context_len: target context length L before the root.
+    :param steps: the head's fixed-shape steps over ``cache`` (:class:`~adaptree.core.graphs.StepGraphs`, CUDA
+        graphs on CUDA); None: plain forwards.
     """
 
-    def __init__(self, head, cache, width: int, root: int, context_len: int) -> None:
+    def __init__(self, head, cache, width: int, root: int, context_len: int, steps=None) -> None:
         self.head, self.cache, self.width = head, cache, width
+        self.steps = steps
         self.root, self.context_len = root, context_len
         self.depth = 0
         self.draft_forwards = 0
@@ -159,7 +162,15 @@ class DraftTree:
     def first_step(self, hidden: torch.Tensor, tokens: torch.Tensor) -> DraftStep:
         """Consume the pending accepted positions (target features ``[1, P, 3H]``, next tokens ``[1, P]``,
         the last being the root) into the committed draft cache and draft depth 1."""
-        out_hidden, logits = self.head(hidden, tokens, cache=self.cache, logits_at=slice(-1, None))
+        out = None
+        if self.steps is not None:
+            past = self.cache.length
+            pos = torch.arange(past, past + tokens.shape[1], device=tokens.device)
+            out = self.steps.forward(tokens, pos, None, hidden)
+        if out is None:
+            out_hidden, logits = self.head(hidden, tokens, cache=self.cache, logits_at=slice(-1, None))
+        else:
+            out_hidden, logits = out[0][:, -1:].clone(), out[1][:, -1:]  # the bucket's output is reused
         self.draft_forwards += 1
         self.committed = self.cache.length
         self.base_pos = self.committed - 1  # draft position of the root's input
@@ -177,8 +188,11 @@ class DraftTree:
         dev = self.beam_tokens.device
         pos = torch.full((w,), self.base_pos + self.depth, dtype=torch.long, device=dev)
         mask = torch.cat([self.beam_anc, torch.eye(w, dtype=torch.bool, device=dev)], dim=1)
-        out_hidden, logits = self.head(self.beam_hidden[None], self.beam_tokens[None], position_ids=pos,
-                                       cache=self.cache, tree_mask=mask)
+        out = self.steps.forward(self.beam_tokens[None], pos, mask, self.beam_hidden[None]) if self.steps else None
+        if out is None:
+            out = self.head(self.beam_hidden[None], self.beam_tokens[None], position_ids=pos, cache=self.cache,
+                            tree_mask=mask)
+        out_hidden, logits = out
         self.draft_forwards += 1
         child = self._expand(logits[0], self.beam_scores, self.beam_cand)
         rows = self.beam_rows

@@ -297,12 +297,15 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, mask: torch.Tensor | None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``slots``: the new positions' cache slots on the device, ``mask`` then covering the cache's whole buffer
+        (a fixed-shape step, :meth:`Eagle3Head.step_fixed`); default: written at ``cache.length``."""
         # Order verified against SafeAILab/EAGLE cnets.py and SpecForge llama3_eagle.py: embeddings first;
         # the residual is the un-normed h.
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         kv = (cache.k[0], cache.v[0]) if cache is not None else None
-        h = h + self.self_attn(x, cos, sin, kv, cache.length if cache is not None else 0, mask)
+        start = slots if slots is not None else cache.length if cache is not None else 0
+        h = h + self.self_attn(x, cos, sin, kv, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -460,6 +463,22 @@ class Eagle3Head(nn.Module):
             cache.length = past + t
         sel = out if logits_at is None else out[:, logits_at]
         return out, self.lm_head(self.norm(sel))
+
+    def step_fixed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor,
+                   mask: torch.Tensor, cache: KVCache, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with shapes that depend on nothing but its inputs' (a CUDA graph can replay it,
+        :class:`adaptree.core.graphs.StepGraphs`): ``hidden [1, T, 3H or H]`` and ``input_ids [1, T]`` at rotary
+        ``position_ids [T]``, keys and values written at cache ``slots [T]``, attention over the cache's whole
+        buffer under the boolean ``mask [T, cache.max_len]``; ``cache.length`` is left alone, and the rotary table
+        must already hold every position (:meth:`reserve_positions`). Returns ``(out_hidden, logits)`` for all T."""
+        h = self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
+        cos, sin = self.rotary(position_ids[None], self.attn_dtype)
+        out = self.midlayer(self._embed(input_ids, h), h, cos, sin, cache, mask[None, None], slots)
+        return out, self.lm_head(self.norm(out))
+
+    def reserve_positions(self, n: int) -> None:
+        """Grow the rotary table to hold positions ``0 .. n-1`` now (a captured step must not replace it)."""
+        self._rope(torch.full((1, 1), n - 1, dtype=torch.long, device=self.device), self.attn_dtype, n)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (``id + d2t[id]``)."""

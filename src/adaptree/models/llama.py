@@ -207,10 +207,12 @@ class Attention(nn.Module):
         :func:`set_attention_dtype`."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, start: int,
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, start: int | torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """``kv_cache``: this layer's key and value buffers ``[B, kv_heads, max_len, head_dim]`` (one layer of a
-        :class:`KVCache`, :meth:`KVCache.layers`); the new keys and values are written at ``start``."""
+        :class:`KVCache`, :meth:`KVCache.layers`); the new keys and values are written at ``start``. ``start`` a
+        tensor: the slots of the new tokens on the device, and ``mask`` covers the whole buffer (a fixed-shape
+        step, :meth:`Transformer.step_fixed`)."""
         b, t, _ = x.shape
         h, kv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x)
@@ -225,6 +227,12 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(qkv[:, h:h + kv]), cos, sin)
         v = qkv[:, h + kv:]
         grouped = False
+        if isinstance(start, torch.Tensor):  # a fixed-shape step (Transformer.step_fixed): slots on the device
+            k_buf, v_buf = kv_cache
+            k_buf[:b].index_copy_(2, start, k)
+            v_buf[:b].index_copy_(2, start, v)
+            out = F.scaled_dot_product_attention(q, k_buf[:b], v_buf[:b], attn_mask=mask, enable_gqa=kv != h)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, h * self.head_dim).to(x.dtype))
         if kv_cache is not None:
             k_buf, v_buf = kv_cache
             k_buf[:b, :, start:start + t] = k
@@ -455,6 +463,19 @@ class Transformer(nn.Module):
         elif not self.compile_tokens:
             self._compiled = None
         return self
+
+    def step_fixed(self, input_ids: torch.Tensor, position_ids: torch.Tensor, slots: torch.Tensor,
+                   mask: torch.Tensor, cache: KVCache) -> ForwardOutput:
+        """A forward whose shapes depend on nothing but its inputs' (so that a CUDA graph can replay it,
+        :class:`adaptree.core.graphs.StepGraphs`): ``input_ids [1, T]`` at rotary ``position_ids [T]``, their keys
+        and values written at cache ``slots [T]`` (device tensors), attention over the cache's whole buffer under
+        the boolean ``mask [T, cache.max_len]``; nothing is read back to the host and ``cache.length`` is left
+        alone. Returns logits and EAGLE-3 features for all T tokens."""
+        cos, sin = self.rotary(position_ids[None], self.attn_dtype)
+        x = self.model.embed_tokens(input_ids)
+        ks, vs = cache.layers()
+        x, tapped = self.model.run(x, cos, sin, ks, vs, slots, mask[None, None], True)
+        return ForwardOutput(self.lm_head(self.model.norm(x)), torch.cat(tapped, dim=-1))
 
     def new_cache(self, max_len: int | None = None, batch: int = 1) -> KVCache:
         cfg = self.config

@@ -63,8 +63,16 @@ class LatencyModel:
     verify_knots: list[int] | None = None
     """Row counts N_1 < N_2 < ... (N = V + 1 >= 1) of the piecewise-linear verification model; ``verify`` then
     holds (intercept, slope in L) per knot, 2K coefficients. None: the bilinear form."""
+    buckets: list[int] | None = None
+    """The fixed step sizes of a graphed engine (:data:`adaptree.core.graphs.BUCKETS`): a draft step of W rows and
+    a verification of N = V + 1 rows cost what the smallest bucket holding them costs (sizes past the last bucket
+    run the plain forward, as measured). None: costs follow the rows themselves."""
 
     def __post_init__(self) -> None:
+        if self.buckets is not None:
+            self.buckets = [int(b) for b in self.buckets]
+            if not self.buckets or self.buckets[0] < 1 or any(b <= a for a, b in zip(self.buckets, self.buckets[1:])):
+                raise ValueError(f"buckets must be increasing sizes >= 1, got {self.buckets}")
         self.draft = [float(c) for c in self.draft]
         if len(self.draft) != 4:
             raise ValueError(f"LatencyModel.draft needs 4 coefficients {FEATURES}, got {len(self.draft)}")
@@ -81,15 +89,23 @@ class LatencyModel:
                              f"{2 * len(knots)} for {len(knots)} knots, got {len(self.verify)}")
         self.verify_knots = knots
 
+    def _bucketed(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` raised to the smallest bucket holding them (unchanged past the last bucket or without buckets)."""
+        if not self.buckets:
+            return rows
+        b = np.asarray(self.buckets, np.float64)
+        i = np.searchsorted(b, rows, side="left")
+        return np.where(i < len(b), b[np.minimum(i, len(b) - 1)], rows)
+
     def draft_steps(self, width, context_len) -> np.ndarray:
         """Seconds of one draft forward, vectorised over broadcastable arrays of W and L."""
         a = self.draft
-        w, L = np.asarray(width, np.float64), np.asarray(context_len, np.float64)
+        w, L = self._bucketed(np.asarray(width, np.float64)), np.asarray(context_len, np.float64)
         return np.maximum(0.0, a[0] + a[1] * w + a[2] * L + a[3] * w * L)
 
     def verify_times(self, size, context_len) -> np.ndarray:
         """Seconds of one verification of V draft nodes (V + 1 rows), vectorised over broadcastable V and L."""
-        n, L = np.asarray(size, np.float64) + 1, np.asarray(context_len, np.float64)
+        n, L = self._bucketed(np.asarray(size, np.float64) + 1), np.asarray(context_len, np.float64)
         b = self.verify
         if self.verify_knots is None:
             return np.maximum(0.0, b[0] + b[1] * n + b[2] * L + b[3] * n * L)
@@ -127,6 +143,8 @@ class LatencyModel:
             out.append("verify      = piecewise linear in N = V + 1 between knots, each knot + slope*L ms: " + ", ".join(
                 f"N={k}: {b[2 * i]:.2f}{b[2 * i + 1]:+.5f}*L" for i, k in enumerate(self.verify_knots)))
         out.append(f"other_s     = {self.other_s * 1e3:.3f} ms per cycle")
+        if self.buckets:
+            out.append(f"buckets     = {self.buckets} (W and N cost their bucket's time)")
         return out
 
     def cycle_time(self, width: int, depth: int, size: int, context_len: int) -> float:
@@ -178,7 +196,7 @@ class LatencyModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyModel":
-        unknown = set(d) - {"draft", "verify", "other_s", "meta", "verify_knots"}
+        unknown = set(d) - {"draft", "verify", "other_s", "meta", "verify_knots", "buckets"}
         if unknown:
             raise ValueError(f"unknown latency model fields {sorted(unknown)}")
         return cls(**d)
@@ -307,7 +325,7 @@ def median_seconds(fn, repeats: int, sync) -> float:
 @torch.inference_mode()
 def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Sequence[int] = CALIBRATION_SIZES,
               lengths: Sequence[int] = (64, 256, 512, 1024), repeats: int = 5, tree_levels: int = 4,
-              progress: bool = False, knots: bool = True) -> LatencyModel:
+              progress: bool = False, knots: bool = True, graphs: bool | None = None) -> LatencyModel:
     """Micro-benchmark the engine's pieces on ``target``/``head`` and fit a :class:`LatencyModel`.
 
     Draft: a :class:`~adaptree.core.tree.DraftTree` ``step`` of width W with ``tree_levels`` earlier levels in
@@ -316,8 +334,12 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
     model's context limit are skipped. Takes minutes on a real model: not for a shared, busy machine.
     ``other_s`` is left 0 (the per-cycle overhead needs live cycles: ``adaptree calibrate`` sets it).
     ``knots``: fit the piecewise-linear verification model (a knot per size), else the bilinear one.
+    ``graphs``: time the steps the way a graphed engine runs them (:class:`~adaptree.core.graphs.StepGraphs`,
+    default: on CUDA, as :class:`~adaptree.core.engine.Engine` does): the sizes become the buckets' (V + 1 = 1, 2,
+    4, ... up to the bucket of the largest size) and the model records the buckets.
     ``meta`` records the machine (:func:`machine_meta`), dtype and the samples.
     """
+    from adaptree.core.graphs import BUCKETS, StepGraphs, bucket_of
     from tqdm import tqdm
 
     for name, values, low in (("widths", widths, 1), ("sizes", sizes, 0), ("lengths", lengths, 1)):
@@ -328,6 +350,10 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
 
     dev = target.device
     sync = partial(synchronize, dev)
+    graphs = dev.type == "cuda" if graphs is None else bool(graphs)
+    if graphs:  # a graphed verification costs its bucket: time the buckets
+        top = bucket_of(max(sizes) + 1) or BUCKETS[-1]
+        sizes = tuple(b - 1 for b in BUCKETS if b <= top)
     max_len = target.max_seq_len
     fitting = [L for L in lengths if L + max(sizes) + 1 < max_len]
     if len(set(fitting)) < 2:
@@ -338,7 +364,9 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
     vocab = target.config.vocab_size
     hidden = head.config.hidden_size
     draft_samples, verify_samples = [], []
-    dcache = head.new_cache(max(lengths) + max(widths) * (tree_levels + 1) + 1)
+    rows = max(bucket_of(max(widths)) or max(widths), max(widths)) if graphs else max(widths)
+    dcache = head.new_cache(max(lengths) + rows * (tree_levels + 1) + 1)
+    dsteps = StepGraphs(head, dcache) if graphs else None
     bar = tqdm(total=len(lengths) * (len(widths) + len(sizes)), desc="calibrate", unit="shape", disable=not progress)
     for L in lengths:
         for w in widths:
@@ -350,11 +378,14 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
 
             def draft_step():
                 dcache.length = L + w * tree_levels
-                head(h, toks, position_ids=pos, cache=dcache, tree_mask=mask)
+                if dsteps is None or dsteps.forward(toks, pos, mask, h) is None:
+                    head(h, toks, position_ids=pos, cache=dcache, tree_mask=mask)
 
-            draft_samples.append((w, L, median_seconds(draft_step, repeats, sync)))
+            rows_w = (bucket_of(w) or w) if graphs else w  # what a graphed step runs
+            draft_samples.append((rows_w, L, median_seconds(draft_step, repeats, sync)))
             bar.update(1)
         cache = target.new_cache(L + max(sizes) + 1)
+        vsteps = StepGraphs(target, cache) if graphs else None
         for v in sizes:
             n = v + 1
             depth, tmask = random_tree(n, gen, dev)
@@ -363,7 +394,8 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
 
             def verify_fwd():
                 cache.length = L
-                target(toks, position_ids=positions, cache=cache, tree_mask=tmask, features=True)
+                if vsteps is None or vsteps.forward(toks, positions, tmask) is None:
+                    target(toks, position_ids=positions, cache=cache, tree_mask=tmask, features=True)
 
             verify_samples.append((v, L, median_seconds(verify_fwd, repeats, sync)))
             bar.update(1)
@@ -372,4 +404,7 @@ def calibrate(target, head, widths: Sequence[int] = (4, 8, 10, 16), sizes: Seque
             "machine": machine_meta(),
             "widths": list(widths), "sizes": list(sizes), "lengths": list(lengths), "repeats": repeats,
             "draft_samples": draft_samples, "verify_samples": verify_samples}
-    return LatencyModel.fit(draft_samples, verify_samples, 0.0, meta, knots=knots)
+    model = LatencyModel.fit(draft_samples, verify_samples, 0.0, meta, knots=knots)
+    if graphs:
+        model.buckets = list(BUCKETS)
+    return model
