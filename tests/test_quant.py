@@ -182,3 +182,85 @@ def test_default_model_int4_weights_equal_the_file():
     assert kinds == {"PackedLinear"}
     err = weight_error(model, reader)
     assert err["max_abs"] <= err["max_weight"] * 2 ** -8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_is_the_executed_weight(dtype):
+    """A packed layer's dense copy is the weight its kernel executes (within the dtype's rounding), and under
+    dense_weights() the layer multiplies by it; the Q8_0 layer (two planes) keeps none."""
+    from adaptree.models.quant import dense_weights
+
+    raw, _ = _blocks("Q4_1", 48, 128, seed=6)
+    q, scale, zero = (torch.from_numpy(a) for a in int4_groups(raw, "Q4_1", (48, 128)))
+    lin = PackedLinear(q, scale, zero, 128, torch.randn(48), dtype)
+    ulp = 4e-7 if dtype == torch.float32 else 8e-3
+    executed = lin.dense_weight().float()
+    torch.testing.assert_close(lin.dense.float(), executed, rtol=0, atol=ulp * float(executed.abs().max()))
+    x = torch.randn(7, 128, dtype=dtype)
+    with dense_weights():
+        y = lin(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, lin.dense, lin.bias))
+    with dense_weights(False):
+        assert torch.equal(lin(x), lin._matmul(x) + lin.bias)
+    raw8, _ = _blocks("Q8_0", 16, 128, seed=7)
+    q8, s8, z8 = (torch.from_numpy(a) for a in int4_groups(raw8, "Q8_0", (16, 128)))
+    assert PackedLinear(q8, s8, z8, 128, None, dtype).dense is None
+
+
+def test_dense_prefill_rows_measured_cached_and_applied(tiny_gguf_file, tmp_path, monkeypatch):
+    """The rule is measured once and cached; a cached 0 drops the dense copies; a cached size makes prefills of that
+    many tokens run dense (their logits are the dense_weights() forward's), shorter prefills and cached forwards
+    the kernel; greedy speculative output still equals AR's (the prefill is shared)."""
+    import json
+
+    from adaptree.adapt.cache import machines_dir
+    from adaptree.adapt.prefill import dense_prefill_rows
+    from adaptree.models.quant import dense_weights
+
+    monkeypatch.setenv("ADAPTREE_CACHE", str(tmp_path / "cache"))
+    target, _ = load_gguf(tiny_gguf_file, torch.float32, with_tokenizer=False)
+    pack_model(target, read_gguf(tiny_gguf_file))
+    assert dense_prefill_rows(target, measure=False) == 0 and not list(machines_dir().glob("prefill-*.json"))
+    target, _ = load_gguf(tiny_gguf_file, torch.float32, with_tokenizer=False)
+    pack_model(target, read_gguf(tiny_gguf_file))
+    rows = dense_prefill_rows(target, measure=True, message=lambda m: None)
+    (entry,) = machines_dir().glob("prefill-*.json")
+    data = json.loads(entry.read_text())
+    assert data["dense_prefill_rows"] == rows and set(data["int4_ms"]) == {"16", "64", "256"}
+    has_dense = any(getattr(m, "dense", None) is not None for m in target.modules())
+    assert has_dense == (rows > 0)
+    data["dense_prefill_rows"] = 16
+    entry.write_text(json.dumps(data))
+    target, _ = load_gguf(tiny_gguf_file, torch.float32, with_tokenizer=False)
+    pack_model(target, read_gguf(tiny_gguf_file))
+    target.dense_prefill_rows = dense_prefill_rows(target, measure=False)
+    assert target.dense_prefill_rows == 16
+    ids = torch.randint(0, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    kernel_calls = []
+    run_kernel = PackedLinear._matmul
+    monkeypatch.setattr(PackedLinear, "_matmul", lambda self, x: kernel_calls.append(x.shape[0]) or run_kernel(self, x))
+    with torch.inference_mode():
+        got = target(ids, cache=target.new_cache(32)).logits
+        assert kernel_calls == [20]  # the decoder layers ran dense; only the lm_head ran the kernel
+        with dense_weights():
+            dense = target(ids, cache=target.new_cache(32)).logits
+        cache = target.new_cache(32)
+        kernel_calls.clear()
+        target(ids[:, :10], cache=cache)  # shorter than 16: the kernel
+        target(ids[:, 10:], cache=cache)  # not a prefill: the kernel
+        assert kernel_calls == [10] * 17 + [10] * 17
+        target.dense_prefill_rows = 0
+        kernel = target(ids, cache=target.new_cache(32)).logits
+    assert torch.equal(got, dense)
+    torch.testing.assert_close(got, kernel, rtol=1e-4, atol=1e-4)
+    target.dense_prefill_rows = 16
+    head = tiny_head(target, draft_vocab=64)
+    eng = Engine(target, head)
+    prompt = ids[0].tolist()
+    ar = eng.generate(prompt, None, max_new_tokens=16)
+    assert eng.generate(prompt, StaticController(StaticConfig(width=3, depth=4, size=8)),
+                        max_new_tokens=16).token_ids == ar.token_ids
+    data["dense_prefill_rows"] = 0
+    entry.write_text(json.dumps(data))
+    assert dense_prefill_rows(target, measure=False) == 0
+    assert all(getattr(m, "dense", None) is None for m in target.modules())

@@ -26,6 +26,7 @@ import torch
 from adaptree.adapt.attention import attention_dtype
 from adaptree.adapt.cache import say
 from adaptree.adapt.compile import COMPILE_MODES, compile_tokens
+from adaptree.adapt.prefill import dense_prefill_rows
 from adaptree.adapt.execution import (
     WEIGHTS,
     cached_execution,
@@ -177,6 +178,7 @@ class Pipeline:
         head = self.head_folder
         return {"model": self.model_label, "dtype": self.dtype_name, "weights": self.weights,
                 "attention": self.attention_name, "compile_tokens": self.target.compile_tokens,
+                "dense_prefill_rows": self.target.dense_prefill_rows,
                 "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
                 "threads": torch.get_num_threads()}
@@ -396,5 +398,6 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
     if draft is not None:
         set_attention_dtype(draft, attn)
     target.compile(compile_tokens(target, measure, compile))
+    target.dense_prefill_rows = dense_prefill_rows(target, measure)
     return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
                     dtype=dt, max_seq_len=max_seq_len, weights=weights)

@@ -46,8 +46,8 @@ MethodOptions = Mapping[str, Mapping[str, Any]]
 RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
 # Settings that change what a record measures: a results folder holds records of one setting only.
-_RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "draft_sha256", "model_sha256", "max_new_tokens", "temperature",
-             "top_p", "top_k", "seed", "threads")
+_RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "dense_prefill_rows", "draft_sha256",
+             "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "threads")
 
 
 REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, PipelineLike], ArmRecipe]] = {

@@ -13,6 +13,7 @@ so state dicts load with ``strict=True``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaptree.models.config import ModelConfig
+from adaptree.models.quant import dense_weights
 
 
 class RMSNorm(nn.Module):
@@ -424,6 +426,10 @@ class Transformer(nn.Module):
         # preallocated caches small on CPU (pass max_seq_len to go further).
         self.max_seq_len = context_limit(cfg, max_seq_len)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, self.max_seq_len)
+        self.dense_prefill_rows = 0
+        """Prefills (an empty cache) of at least this many tokens (batch rows times tokens) run the int4 layers on
+        their dense weights (:func:`adaptree.models.quant.dense_weights`); 0: never
+        (:func:`adaptree.adapt.prefill.dense_prefill_rows` measures it)."""
         self._compiled = None
         self.compile_tokens = 0
         """Forwards of at most this many new tokens (batch 1, after a cached prefix) run the decoder layers
@@ -516,7 +522,10 @@ class Transformer(nn.Module):
         ks, vs = cache.layers() if cache is not None else (None, None)
         # compiled: decode steps and small trees after a cached prefix (one graph per kind, shared by every layer)
         compiled = cache is not None and b == 1 and past >= 2 and t <= self.compile_tokens
-        x, tapped = self.model.run(x, cos, sin, ks, vs, past, mask, features, call=self._compiled if compiled else None)
+        dense = self.dense_prefill_rows and past == 0 and b * t >= self.dense_prefill_rows
+        with dense_weights() if dense else contextlib.nullcontext():
+            x, tapped = self.model.run(x, cos, sin, ks, vs, past, mask, features,
+                                       call=self._compiled if compiled else None)
         if cache is not None:
             cache.length = past + t
         feats = torch.cat(tapped, dim=-1) if features else None

@@ -33,8 +33,12 @@ output equals autoregressive output of the same mode.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["GROUP", "PACKABLE", "PackedLinear", "int4_groups", "pack_model", "weight_error"]
@@ -125,10 +129,29 @@ def int4_groups(data: np.ndarray, kind_name: str, shape: tuple[int, int]):
     return q.astype(np.uint8), scale.astype(np.float32), zero.astype(np.float32)
 
 
+_DENSE = contextvars.ContextVar("adaptree_dense_weights", default=False)
+
+
+@contextlib.contextmanager
+def dense_weights(on: bool = True):
+    """While active (and ``on``), :class:`PackedLinear` layers that keep a dense copy multiply by it instead of
+    running the int4 kernel: what a prefill does (:meth:`adaptree.models.llama.Transformer.forward`), because the
+    kernel does no GEMM blocking and costs about its row count in decode steps, while a dense GEMM over many rows
+    costs little more than one pass over the weights (docs/performance.md has the timings)."""
+    token = _DENSE.set(bool(on))
+    try:
+        yield
+    finally:
+        _DENSE.reset(token)
+
+
 class PackedLinear(nn.Module):
     """A bias-optional linear layer whose weight is 4-bit groups (see the module docstring).
 
-    ``planes = 2`` (Q8_0) repeats the input along its last dimension so one matmul sums both planes.
+    ``planes = 2`` (Q8_0) repeats the input along its last dimension so one matmul sums both planes. A one-plane
+    layer also keeps the weight it executes as a dense matrix (``dense``: ``(q - 8) * scale + zero`` with the
+    scale and zero as the kernel holds them, rounded to the layer's dtype), used for prefills
+    (:func:`dense_weights`); it costs the dense model's memory for these layers again.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features: int,
@@ -141,6 +164,11 @@ class PackedLinear(nn.Module):
         if k % in_features or k // in_features not in (1, 2) or k % GROUP:
             raise ValueError(f"packed weight of shape {tuple(q.shape)} does not fit {in_features} inputs")
         self.in_features, self.out_features, self.planes = in_features, out, k // in_features
+        dense = None
+        if self.planes == 1:
+            rep = (lambda a: a.to(dtype).float().repeat_interleave(GROUP, dim=1))  # noqa: E731
+            dense = ((q.float() - 8) * rep(scale) + rep(zero)).to(dtype)
+        self.register_buffer("dense", dense, persistent=False)
         pad = -out % 16  # the kernel packs rows in sixteens: zero rows (scale 0, zero 0) fill the last one
         if pad:
             q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
@@ -164,6 +192,9 @@ class PackedLinear(nn.Module):
         return y[:, : self.out_features] if y.shape[-1] != self.out_features else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # compiled graphs (decode steps, small trees) never run dense, and Dynamo need not trace the context var
+        if self.dense is not None and not torch.compiler.is_compiling() and _DENSE.get():
+            return F.linear(x, self.dense, self.bias)
         lead = x.shape[:-1]
         y = self._matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
