@@ -248,6 +248,16 @@ def write_summary(out: Path, r: dict) -> None:
         for name, row in curve.items():
             lines.append(f"| {name} | " + " | ".join(f"{row.get(str(t), float('nan')):.2f}" for t in CURVE_TOKENS)
                          + " |")
+    g = (r.get("graph_steps") or {}).get("by_dtype")
+    if g:
+        lines += ["", "## Fixed-shape steps (CUDA graphs on CUDA) against the plain forward (ms, after 256 cached)", "",
+                  "| dtype | T | plain | fixed | capture | max logit diff |", "|---|---|---|---|---|---|"]
+        for name, d in g.items():
+            lines += [f"| {name} | {n} | {x['plain_ms']:.2f} | {x['fixed_ms']:.2f} | {x['capture_ms']:.0f} | "
+                      f"{x['max_logit_diff']:.2g} |" for n, x in d["ms"].items()]
+        lines += [f"\nAR ({name}, 128 tokens): {d['ar']['plain']['tokens_per_s']} tok/s plain, "
+                  f"{d['ar']['graphs']['tokens_per_s']} with fixed steps; same ids: {d['ar']['identical']}"
+                  for name, d in g.items() if d.get("ar")]
     s = r.get("setup")
     if s:
         lines += ["", f"## Machine setup: {s['load_seconds']} s, {s['execution']}, default method "

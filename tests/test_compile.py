@@ -182,3 +182,46 @@ def test_several_models_in_one_process_keep_their_graphs(monkeypatch):
                 torch.testing.assert_close(compiled.logits, eager.logits)
     assert len(_debug_get_cache_entry_list(llama.call_layer.__code__)) > 8  # none sent back to eager
     torch._dynamo.reset()
+
+
+def test_direct_calls_skip_dynamo_once_compiled(monkeypatch):
+    """After a kind of step has compiled, its calls run the compiled code directly (torch.compile is not called),
+    with the compiled path's outputs; a call that no cached graph's guards take (the cache's last slot, which Dynamo
+    specialised) goes through torch.compile; without the private cache-entry API every call does, unchanged."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    from adaptree.models.llama import DirectLayerCall
+
+    eager = tiny_target()
+    compiled = tiny_target().compile(16)
+    compiled.load_state_dict(eager.state_dict())
+    direct = compiled._compiled
+    assert isinstance(direct, DirectLayerCall)
+    through = []
+    inner = direct.compiled
+
+    def counted(*args):
+        through.append(args[1].shape[1])
+        return inner(*args)
+
+    monkeypatch.setattr(direct, "compiled", counted)
+    gen = torch.Generator().manual_seed(2)
+    for n in (1, 3):  # warm-up
+        _forward(compiled, [1, 2, 3], list(range(n)), random_tree(n, gen)[1])
+    through.clear()
+    for prefix_len, n in ((4, 1), (17, 1), (8, 7), (21, 16)):
+        ids, mask = [1] * n, random_tree(n, gen)[1]
+        a, b = _forward(eager, [3] * prefix_len, ids, mask), _forward(compiled, [3] * prefix_len, ids, mask)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    assert through == []
+    cache = compiled.new_cache(8)
+    with torch.inference_mode():
+        compiled(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
+        compiled(torch.tensor([[1]]), cache=cache)  # writes the last slot
+    assert through and set(through) == {1}
+    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", None)
+    direct._entries = []
+    through.clear()
+    a, b = _forward(eager, [5] * 6, [2], None), _forward(compiled, [5] * 6, [2], None)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    assert through == [1] * compiled.config.num_hidden_layers and direct._entries == []

@@ -17,6 +17,7 @@ import contextlib
 import math
 import operator
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -345,6 +346,46 @@ def call_layer(layer: DecoderLayer, x, cos, sin, kv_cache, start, mask):
     return layer(x, cos, sin, kv_cache, start, mask)
 
 
+class DirectLayerCall:
+    """:func:`call_layer` through ``torch.compile``, minus Dynamo's per-call frame evaluation.
+
+    Every call of a compiled function goes through Dynamo's frame hook, which cost 74-110 µs per layer call on a
+    2-core Xeon: 2-3.5 ms of a 17 ms int4 decode step of SmolLM2, for 30 calls per step. Once Dynamo has compiled
+    a graph, its cache entry holds the code it runs (the call of the compiled graph) and the guards that say when
+    that code is valid. This calls the code of the first entry whose guards pass for the call's arguments (checking
+    them costs about 20 µs). A call that no entry takes goes through ``torch.compile`` (compiling where it must),
+    and the entries are read again. The outputs are the compiled function's own (``tests/test_compile.py``).
+
+    The cache entries are a private torch API (``torch._dynamo.eval_frame._debug_get_cache_entry_list``); where it
+    is missing, every call goes through ``torch.compile``.
+    """
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+        self._entries: list[tuple] = []  # (code as a function, guard manager), the last one that ran first
+
+    def _refresh(self) -> None:
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            found = _debug_get_cache_entry_list(call_layer.__code__)
+            self._entries = [(types.FunctionType(e.code, call_layer.__globals__, "call_layer"), e.guard_manager)
+                             for e in found]
+        except (ImportError, AttributeError, TypeError):
+            self._entries = []
+
+    def __call__(self, layer, x, cos, sin, kv_cache, start, mask):
+        args = {"layer": layer, "x": x, "cos": cos, "sin": sin, "kv_cache": kv_cache, "start": start, "mask": mask}
+        for i, (fn, guards) in enumerate(self._entries):
+            if guards.check(args):
+                if i:
+                    self._entries.insert(0, self._entries.pop(i))
+                return fn(layer, x, cos, sin, kv_cache, start, mask)
+        out = self.compiled(layer, x, cos, sin, kv_cache, start, mask)
+        self._refresh()
+        return out
+
+
 class _Body(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -465,7 +506,7 @@ class Transformer(nn.Module):
         if self.compile_tokens and self._compiled is None:
             _use_inductor_cache()
             _allow_recompiles()
-            self._compiled = torch.compile(call_layer, dynamic=True)
+            self._compiled = DirectLayerCall(torch.compile(call_layer, dynamic=True))
         elif not self.compile_tokens:
             self._compiled = None
         return self
