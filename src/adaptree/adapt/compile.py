@@ -88,7 +88,8 @@ def compile_tokens(target, measure: bool = True, mode: str = "auto", message: Ca
     from adaptree.offline.store import model_fingerprint
 
     key = digest({**machine_fields(), "device": str(target.device), "model": model_fingerprint(target),
-                  "attention": dtype_name(target.attn_dtype), "torch": torch.__version__})
+                  "attention": dtype_name(target.attn_dtype), "torch": torch.__version__,
+                  "calls": "direct"})  # measured with llama.DirectLayerCall (choices made before it are re-measured)
     path = machines_dir() / f"compile-{key}.json"
     found = _cached(path)
     if found is not None:
