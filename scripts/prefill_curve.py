@@ -29,13 +29,18 @@ def main() -> None:
 
     import torch
 
-    import adaptree
+    from adaptree.adapt.attention import attention_dtype
     from adaptree.adapt.prefill import _time_prefills
     from adaptree.core.machine import machine_profile
+    from adaptree.models import load_model
+    from adaptree.models.llama import set_attention_dtype
 
-    p = adaptree.load(dtype="bfloat16", weights="int4", compile="off", threads=args.threads, adapt=False,
-                      progress=False)
-    t = _time_prefills(p.target, sizes, repeats=args.repeats)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    # loaded directly: adaptree.load would apply (and, where dense never paid, drop) the machine's cached choice
+    target, _ = load_model(None, dtype=torch.bfloat16, weights="int4")
+    set_attention_dtype(target, attention_dtype(target, measure=False))
+    t = _time_prefills(target, sizes, repeats=args.repeats)
     rows = {str(n): {"int4_ms": round(1e3 * t["int4"][n], 2), "dense_ms": round(1e3 * t["dense"][n], 2)}
             for n in sizes}
     out = Path(args.out).with_suffix(".json")

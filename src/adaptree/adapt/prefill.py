@@ -2,8 +2,8 @@
 prompt tokens on, timed once per machine and model.
 
 PyTorch's CPU int4 kernel does no GEMM blocking: a forward over T tokens costs about T decode steps' matmuls (a
-300-token prefill of SmolLM2 took 790 ms on an AMX Xeon). A dense bfloat16 GEMM over many rows costs little more
-than one pass over the weights there (267 ms), but with AVX2 kernels, where bfloat16 is emulated, it is 2.2x
+300-token prefill of SmolLM2 took 790-980 ms on an AMX Xeon). A dense bfloat16 GEMM over many rows costs little more
+than one pass over the weights there (270-290 ms), but with AVX2 kernels, where bfloat16 is emulated, it is 2-2.4x
 slower than the int4 kernel at every size. So it is measured: :class:`~adaptree.models.quant.PackedLinear` keeps
 the dense weight it executes, prefills from the measured size on multiply by it, and where dense never pays the
 dense copies are dropped (no memory spent on them).
@@ -39,11 +39,20 @@ def drop_dense(target) -> None:
 def _time_prefills(target, sizes: Sequence[int], repeats: int = 3) -> dict[str, dict[int, float]]:
     """Median seconds of a prefill (features on, logits at the last position, as the engine's) of each size with
     int4 and with dense weights, interleaved (a shared machine's drift hits both alike); the first round warms up."""
-    from adaptree.models.quant import dense_weights
-
     gen = torch.Generator().manual_seed(0)
     times: dict[str, dict[int, list[float]]] = {"int4": {n: [] for n in sizes}, "dense": {n: [] for n in sizes}}
     cache = target.new_cache(max(sizes))
+    rule, target.dense_prefill_rows = target.dense_prefill_rows, 0  # the context below decides, not the rule
+    try:
+        _time_rounds(target, sizes, repeats, gen, cache, times)
+    finally:
+        target.dense_prefill_rows = rule
+    return {mode: {n: statistics.median(v[1:]) for n, v in per.items()} for mode, per in times.items()}
+
+
+def _time_rounds(target, sizes, repeats, gen, cache, times) -> None:
+    from adaptree.models.quant import dense_weights
+
     for _ in range(repeats + 1):
         for n in sizes:
             ids = torch.randint(0, target.config.vocab_size, (1, n), generator=gen)
@@ -53,7 +62,6 @@ def _time_prefills(target, sizes: Sequence[int], repeats: int = 3) -> dict[str, 
                 with dense_weights(mode == "dense"):
                     target(ids, cache=cache, features=True, logits_at=slice(-1, None))
                 times[mode][n].append(time.perf_counter() - t0)
-    return {mode: {n: statistics.median(v[1:]) for n, v in per.items()} for mode, per in times.items()}
 
 
 def dense_prefill_rows(target, measure: bool = True, message: Callable[[str], None] = say) -> int:
