@@ -362,7 +362,7 @@ class DirectLayerCall:
 
     def __init__(self, compiled) -> None:
         self.compiled = compiled
-        self._entries: list[tuple] = []  # (code as a function, guard manager), the last one that ran first
+        self._entries: list[tuple] = []  # (code as a function, guard manager) per cache entry, Dynamo's order
 
     def _refresh(self) -> None:
         try:
@@ -376,10 +376,8 @@ class DirectLayerCall:
 
     def __call__(self, layer, x, cos, sin, kv_cache, start, mask):
         args = {"layer": layer, "x": x, "cos": cos, "sin": sin, "kv_cache": kv_cache, "start": start, "mask": mask}
-        for i, (fn, guards) in enumerate(self._entries):
+        for fn, guards in self._entries:  # a list replaced whole, never changed in place: safe across threads
             if guards.check(args):
-                if i:
-                    self._entries.insert(0, self._entries.pop(i))
                 return fn(layer, x, cos, sin, kv_cache, start, mask)
         out = self.compiled(layer, x, cos, sin, kv_cache, start, mask)
         self._refresh()
