@@ -34,7 +34,7 @@ def test_greedy_trees_on_cuda_equal_ar_there_and_on_the_cpu():
 @cuda
 @torch.inference_mode()
 def test_captured_steps_equal_plain_forwards_on_cuda():
-    """CUDA graphs per size bucket: logits within 1e-4 of the plain forward in fp32, for trees that fill a bucket and
+    """CUDA graphs per size bucket: logits within 1e-4 (plus 1e-5 relative) of the plain forward in fp32, for trees that fill a bucket and
     trees that leave padding rows, replayed again with other inputs; and the engine's ids with graphs on and off."""
     from adaptree.core.graphs import StepGraphs
     from adaptree.offline.latency import random_tree
@@ -53,8 +53,8 @@ def test_captured_steps_equal_plain_forwards_on_cuda():
         cache.length = 20
         fixed = steps.forward(ids, depth + 20, mask)
         assert cache.length == 20 + n
-        torch.testing.assert_close(fixed.logits, plain.logits, rtol=0, atol=1e-4)
-        torch.testing.assert_close(fixed.features, plain.features, rtol=0, atol=1e-4)
+        torch.testing.assert_close(fixed.logits, plain.logits, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fixed.features, plain.features, rtol=1e-5, atol=1e-4)
     head = tiny_head(target)
     graphed, plain_engine = Engine(target, head), Engine(target, head, graphs=False)
     assert graphed.steps is not None and graphed.steps.capture and graphed.draft_steps.capture
