@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_entry
+from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_field
 from adaptree.core.engine import synchronize
 
 
@@ -31,11 +31,7 @@ def _time_attention(target, dtype: torch.dtype, queries: int, context: int = 256
 
 
 def _cached(path) -> torch.dtype | None:
-    entry = read_entry(path)
-    try:
-        return getattr(torch, entry["attention"]) if entry is not None else None
-    except (KeyError, TypeError, AttributeError):
-        return None
+    return read_field(path, "attention", lambda name: getattr(torch, name))
 
 
 def attention_dtype(target, measure: bool = True) -> torch.dtype:

@@ -60,6 +60,16 @@ def read_entry(path: Path) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
+def read_field(path: Path, key: str, convert):
+    """``convert(entry[key])`` of the entry cached at ``path``; None when there is none or the field is missing or
+    malformed (an entry written by an older adaptree is measured again)."""
+    entry = read_entry(path)
+    try:
+        return convert(entry[key]) if entry is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 @contextlib.contextmanager
 def measure_lock(path: Path) -> Iterator[None]:
     """Hold the lock of the cache entry ``path`` (a file or a setup folder) for the ``with`` block: one process

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_entry, say
+from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_field, say
 from adaptree.core.engine import synchronize
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -102,11 +102,7 @@ def compile_tokens(target, measure: bool = True, mode: str = "auto", message: Ca
 
 
 def _cached(path) -> int | None:
-    entry = read_entry(path)
-    try:
-        return int(entry["compile_tokens"]) if entry is not None else None
-    except (KeyError, TypeError, ValueError):
-        return None
+    return read_field(path, "compile_tokens", int)
 
 
 def _measure(target, path, message: Callable[[str], None]) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_entry, say
+from adaptree.adapt.cache import digest, machine_fields, machines_dir, measure_lock, read_field, say
 
 PREFILL_SIZES = (16, 64, 256)
 """Prompt lengths at which :func:`dense_prefill_rows` times int4 and dense prefills."""
@@ -91,11 +91,7 @@ def dense_prefill_rows(target, measure: bool = True, message: Callable[[str], No
 
 
 def _cached(path) -> int | None:
-    entry = read_entry(path)
-    try:
-        return int(entry["dense_prefill_rows"]) if entry is not None else None
-    except (KeyError, TypeError, ValueError):
-        return None
+    return read_field(path, "dense_prefill_rows", int)
 
 
 def _measure(target, path, message: Callable[[str], None]) -> int:
