@@ -66,10 +66,6 @@ class ForwardClock:
             h.remove()
         self._hooks.clear()
 
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(self.modules, 0.0)
-        self.calls = dict.fromkeys(self.modules, 0)
-
 
 def host_split(gens: Sequence[GenerationResult], clock: ForwardClock) -> dict[str, float]:
     """Per-cycle milliseconds of ``gens`` (generated while ``clock`` ran and nothing else did): ``cycle`` (the
