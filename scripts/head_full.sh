@@ -34,7 +34,11 @@ SELECT=${SELECT:-last}         # export the last weights: they saw every token (
 SEED=${SEED:-0}
 DTYPE=${DTYPE:-bfloat16}
 INIT=${INIT:-}                 # a head folder to start from (warm start), or empty: a fresh head
+MODEL=${MODEL:-}               # the target (a registered name); empty: the default SmolLM2-135M-Instruct
+INTERMEDIATE=${INTERMEDIATE:-} # the head's MLP width; empty: the target's
 extra=()
+if [ -n "$MODEL" ]; then extra+=(--model "$MODEL"); fi
+if [ -n "$INTERMEDIATE" ]; then extra+=(--head-intermediate "$INTERMEDIATE"); fi
 if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then extra+=(--resume); fi
 if [ -n "$INIT" ]; then extra+=(--init-head "$INIT"); fi
 adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \

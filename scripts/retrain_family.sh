@@ -4,24 +4,28 @@
 # --resume, the table's finished members). About 60-70 min on 2 CPU cores when the steps run one after another.
 #
 #   bash scripts/retrain_family.sh [RUNS_DIR]     # default runs/family
+#   MODEL=qwen2.5-coder-0.5b bash scripts/retrain_family.sh runs/family-qwen05   # another registered model, its head
 #
 # Copy the exported policies next to the head to ship them (the last step prints the commands).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${1:-runs/family}
+MODEL=${MODEL:-smollm2-135m}
+STEPS=${STEPS:-1}   # a factor on every PPO step count (0.5: half the steps)
+steps() { python3 -c "print(max(1, round($1 * $STEPS)))"; }
 MAIN=src/adaptree/offline/machines/syn-s0.3-g0.03-d0.1-o0.005.json   # a training member (any one will do)
 mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
 
 step "1. greedy traces: 48 training prompts (192 tokens) and 32 evaluation prompts (128), target features kept"
-python3 - "$R" <<'PY'
+python3 - "$R" "$MODEL" <<'PY'
 import sys
 import adaptree
 from adaptree.data.prompts import humaneval, mt_bench
 from adaptree.offline.recording import TrainingPrompts, record_prompts
-R = sys.argv[1]
-p = adaptree.load(dtype="bfloat16", weights="float", compile="off", adapt=False)
+R, MODEL = sys.argv[1:3]
+p = adaptree.load(MODEL, dtype="bfloat16", weights="float", compile="off", adapt=False)
 record_prompts(p, f"{R}/train-traces", TrainingPrompts().prompts(), widths=(10,), max_depth=12, max_new_tokens=192,
                feature_dtype="float16")
 record_prompts(p, f"{R}/eval-traces", mt_bench()[:16] + humaneval()[:16], widths=(10,), max_depth=12,
@@ -29,14 +33,16 @@ record_prompts(p, f"{R}/eval-traces", mt_bench()[:16] + humaneval()[:16], widths
 PY
 
 step "2. LTD over the family: cost, match and machine-tree features, relative V, stage-1 depth behind the size policy"
-adaptree train ltd --dtype bfloat16 --weights float --compile off --traces "$R/train-traces" --latency "$MAIN" \
-  --family standard --costs --match --machine-tree --depth-partner size \
-  --depth-steps 60000 --size-steps 40000 --iter-steps 30000 --iterations 2 --out "$R/ltd" --quiet
+adaptree train ltd --model "$MODEL" --dtype bfloat16 --weights float --compile off --traces "$R/train-traces" \
+  --latency "$MAIN" --family standard --costs --match --machine-tree --depth-partner size \
+  --depth-steps "$(steps 60000)" --size-steps "$(steps 40000)" --iter-steps "$(steps 30000)" --iterations 2 \
+  --out "$R/ltd" --quiet
 
 step "3. Re-SpS over the family: relative (depth offset, V factor) actions, max-entropy PPO, argmax at inference"
-adaptree train resps --dtype bfloat16 --weights float --compile off --traces "$R/train-traces" --train-code 24 \
-  --train-chat 24 --max-new-tokens 192 --latency "$MAIN" --family standard --costs --match --machine-tree \
-  --eval-every 25 --max-entropy --inference-temperature 0 --steps 30000 --out "$R/resps" --quiet
+adaptree train resps --model "$MODEL" --dtype bfloat16 --weights float --compile off --traces "$R/train-traces" \
+  --train-code 24 --train-chat 24 --max-new-tokens 192 --latency "$MAIN" --family standard --costs --match \
+  --machine-tree --eval-every 25 --max-entropy --inference-temperature 0 --steps "$(steps 30000)" --out "$R/resps" \
+  --quiet
 
 step "4. RADAR over the family on greedy-trace episodes, V per depth from each machine"
 RESUME=(); [ -f "$R/radar/train_config.json" ] && RESUME=(--resume)
@@ -47,5 +53,5 @@ step "5. the transfer table: every method on the family's measured members and a
 python3 scripts/transfer_table.py --traces "$R/eval-traces" --train-traces "$R/train-traces" \
   --ltd "$R/ltd/policy" --resps "$R/resps/policy" --radar "$R/radar/policy" --out "$R/transfer"
 
-H=src/adaptree/heads/smollm2-135m
+H=src/adaptree/heads/$MODEL
 step "done. To ship: rm -rf $H/ltd/depth $H/ltd/size $H/resps $H/radar && cp -r $R/ltd/policy/depth $R/ltd/policy/size $H/ltd/ && mkdir -p $H/resps && cp $R/resps/policy/{config.json,model.safetensors} $H/resps/ && cp -r $R/radar/policy $H/radar"

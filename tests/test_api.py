@@ -62,6 +62,20 @@ def test_bad_arguments_name_the_bad_value(pipe, tiny_folders):
         adaptree.load(tiny_folders[0], head=None, dtype="float32").generate("hi", method="static")
 
 
+def test_a_draft_model_loads_with_the_target_and_drafts_losslessly(tiny_folders):
+    model, _ = tiny_folders
+    p = adaptree.load(model, head=None, dtype="float32", draft_model=model, adapt=False)
+    assert p.draft_model is not None and p.draft_model is not p.target
+    assert p.settings()["draft_model"] == str(model) and p.settings()["draft_model_sha256"]
+    ids = [1, 5, 7, 9]
+    ar = p.generate(ids, method="ar", max_new_tokens=12)
+    dm = p.generate(ids, method="draft-model", max_new_tokens=12, tokens=3)
+    assert dm.token_ids == ar.token_ids and dm.tau > 1.0  # the same weights: every proposal is accepted
+    assert p.generate(ids, method="ngram", max_new_tokens=12).token_ids == ar.token_ids  # no head needed either
+    with pytest.raises(ValueError, match="needs a draft model"):
+        adaptree.load(model, head=None, dtype="float32", adapt=False).generate(ids, method="draft-model")
+
+
 @pytest.mark.parametrize("method, what, command, missing", [
     ("ltd", "needs an LTD depth policy", "adaptree train ltd", "ltd/depth/config.json"),
     ("ltd-size", "needs an LTD size policy", "adaptree train ltd", "ltd/size/config.json"),

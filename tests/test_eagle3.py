@@ -240,6 +240,35 @@ def test_bf16_save_load(head, target, tmp_path):
     assert torch.equal(loaded32.d2t, head.d2t) and torch.equal(loaded32.t2d, head.t2d)
 
 
+def test_int8_rows_save_load(head, target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head.save_pretrained(tmp_path, dtype=torch.int8)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.int8 and stored["fc.weight_scale"].dtype == torch.float32
+    assert stored["norm.weight"].dtype == torch.bfloat16 and stored["d2t"].dtype == torch.int64
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["adaptree_storage"] == "int8 rows" and cfg["torch_dtype"] == "bfloat16"
+    loaded = Eagle3Head.from_pretrained(tmp_path, target=target, dtype=torch.float32)
+    for k, w in head.state_dict().items():
+        if w.is_floating_point() and w.dim() == 2 and k != "embed_tokens.weight":
+            step = w.abs().amax(dim=1, keepdim=True) / 127
+            assert bool(((loaded.state_dict()[k] - w).abs() <= step / 2 + 1e-7).all()), k  # half a step at most
+    assert torch.equal(loaded.d2t, head.d2t)
+    out, _ = loaded(features(5), ids(5))
+    ref, _ = head(features(5), ids(5))
+    assert float((out - ref).detach().norm() / ref.detach().norm()) < 0.02
+    # a matrix without its scale, and a scale of the wrong length, are named
+    del stored["fc.weight_scale"]
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="without a _scale entry.*fc.weight"):
+        Eagle3Head.from_pretrained(tmp_path, target=target)
+    stored["fc.weight_scale"] = torch.ones(3)
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight_scale"):
+        Eagle3Head.from_pretrained(tmp_path, target=target)
+
+
 def test_embeddings_in_checkpoint_kept_and_loadable_without_target(head, target, tmp_path):
     head.save_pretrained(tmp_path, dtype=torch.float32, include_embeddings=True)
     alone = Eagle3Head.from_pretrained(tmp_path)

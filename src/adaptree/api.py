@@ -149,8 +149,16 @@ class Pipeline:
     """
 
     def __init__(self, target, tokenizer, head=None, *, model: str | None = None, head_folder: str | Path | None = None,
-                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, weights: str = "float") -> None:
+                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, weights: str = "float",
+                 draft_model=None, draft_model_name: str | None = None) -> None:
         self.target, self.tokenizer, self.head = target, tokenizer, head
+        if draft_model is not None:
+            from adaptree.methods.draft_model import check_draft_model
+
+            check_draft_model(target, draft_model)
+        self.draft_model = draft_model
+        """The second model ``draft-model`` drafts with (same tokenizer, same execution mode), or None."""
+        self.draft_model_name = draft_model_name
         self.model = model
         """The model as given to :func:`load` (a short name, a path, or None for the default)."""
         self.head_folder = Path(head_folder) if head_folder else None
@@ -181,6 +189,8 @@ class Pipeline:
                 "dense_prefill_rows": self.target.dense_prefill_rows,
                 "model_sha256": model_sha256(self.model),
                 "draft": self.head_label, "draft_sha256": sha256_file(head / "model.safetensors") if head else None,
+                "draft_model": self.draft_model_name,
+                "draft_model_sha256": model_sha256(self.draft_model_name) if self.draft_model is not None else None,
                 "threads": torch.get_num_threads()}
 
     @property
@@ -256,12 +266,14 @@ class Pipeline:
     def controller(self, method: str | None = None, **options: Any) -> Controller:
         """The controller of ``method`` (default :attr:`default_method`) with ``options`` (the method's config
         fields); policies and tuned trees come from next to the head in use unless given."""
+        from adaptree.methods import method as registry_entry
+
         method = method or self.default_method
-        if method != "ar" and self.head is None:
+        if registry_entry(method).needs_head and self.head is None:
             raise ValueError(f"method {method!r} needs a draft head; this pipeline has none (load(head=...))")
         return make_controller(method, head_folder=self.head_folder, model=self.model_label,
                                tokenizer=self.tokenizer, machine=self.machine.assets if self.machine else None,
-                               **options)
+                               draft_model=self.draft_model, **options)
 
     def _prepare(self, prompt, method, controller, sampling, chat, options):
         if controller is not None and (method is not None or options):
@@ -298,7 +310,8 @@ class Pipeline:
 
 def load(model: str | Path | None = None, head: str | Path | None = "auto", *, dtype: str | torch.dtype = "auto",
          weights: str = "auto", compile: str = "auto", device: str | torch.device = "cpu", threads: int | None = None,
-         max_seq_len: int | None = None, adapt: bool | None = None, progress: bool = True) -> Pipeline:
+         max_seq_len: int | None = None, adapt: bool | None = None, progress: bool = True,
+         draft_model: str | Path | None = None) -> Pipeline:
     """Load a target model, its tokenizer and an EAGLE-3 draft head, adapted to this machine.
 
     On the first use with a machine profile (CPU and its kernels, torch threads, execution mode, model and head)
@@ -326,6 +339,9 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         measures: a cached setup is still used, ``"auto"`` takes the cached choice or, without one, float weights in
         bfloat16 where the hardware has native bfloat16 and float32 elsewhere, and the default method is ``ar``.
     :param progress: progress bars while measuring.
+    :param draft_model: a smaller model with the target's tokenizer (a registered name, folder or ``.gguf``, as
+        ``model``) for the ``draft-model`` method, loaded in the target's execution mode; ``"auto"``: the registered
+        smaller sibling of a registered model (0.5B for ``qwen2.5-coder-1.5b``); None: none.
     """
     if threads is not None:  # first: the thread count is part of the machine profile
         if int(threads) < 1:
@@ -335,6 +351,13 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         raise ValueError(f"weights {weights!r} is not supported; use auto or one of {', '.join(WEIGHTS)}")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile {compile!r} is not one of {', '.join(COMPILE_MODES)}")
+    if draft_model == "auto":
+        from adaptree.models import sibling_draft_model
+
+        draft_model = sibling_draft_model(model)
+        if draft_model is None:
+            raise ValueError(f"draft_model='auto': no smaller model with the same tokenizer is registered for "
+                             f"{model or 'the default model'}; name one")
     if dtype != "auto":
         from adaptree.models.cache import dtype_name
 
@@ -345,7 +368,8 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, "off"),
+                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, "off",
+                                                                 draft_model),
                                         candidates, model, head, device, max_seq_len, progress=progress,
                                         compile=compile)
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
@@ -353,7 +377,7 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
                 measure = False
         mode = (cached_execution(candidates, model, head, device, max_seq_len)
                 or fallback_execution(candidates, device))
-    p = load_execution(model, head, mode, device, max_seq_len, measure, compile)
+    p = load_execution(model, head, mode, device, max_seq_len, measure, compile, draft_model)
     if p.head is not None and not measure:
         p.machine = find_setup(p)
     elif p.head is not None:
@@ -365,7 +389,8 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
 
 
 def load_execution(model: str | Path | None, head: str | Path | None, mode: str, device: str | torch.device = "cpu",
-                   max_seq_len: int | None = None, measure: bool = False, compile: str = "off") -> Pipeline:
+                   max_seq_len: int | None = None, measure: bool = False, compile: str = "off",
+                   draft_model: str | Path | None = None) -> Pipeline:
     """The pipeline of ``model`` and ``head`` (as :func:`load` takes them) in the execution mode ``mode``
     (``"bfloat16+int4"``, ...), not adapted: its attention dtype and compiled sizes are the cached ones, measured
     now when ``measure`` and none is cached. What :func:`load` and ``adaptree adapt`` load each candidate mode
@@ -399,5 +424,14 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
         set_attention_dtype(draft, attn)
     target.compile(compile_tokens(target, measure, compile))
     target.dense_prefill_rows = dense_prefill_rows(target, measure)
+    second = None
+    if draft_model is not None:  # the same execution mode as the target, its own measured choices
+        second, _ = load_model(draft_model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
+        if dev.type != "cpu":
+            second.to(dev)
+        set_attention_dtype(second, attention_dtype(second, measure))
+        second.compile(compile_tokens(second, measure, compile))
+        second.dense_prefill_rows = dense_prefill_rows(second, measure)
     return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
-                    dtype=dt, max_seq_len=max_seq_len, weights=weights)
+                    dtype=dt, max_seq_len=max_seq_len, weights=weights, draft_model=second,
+                    draft_model_name=str(draft_model) if draft_model is not None else None)

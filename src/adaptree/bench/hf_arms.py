@@ -32,9 +32,6 @@ if TYPE_CHECKING:
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
 
-DEFAULT_ASSISTANTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-"""Registered models that have a same-tokenizer smaller sibling to use as HF's assistant."""
-
 
 def hf_twin(target):
     """A transformers model carrying exactly our target's weights (same dtype, same device)."""
@@ -127,10 +124,13 @@ def hf_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecip
                          f"{pipeline.weights}")
     assistant = None
     if "hf_assisted" in cfg.methods:
-        assistant = cfg.assistant_model or DEFAULT_ASSISTANTS.get(str(pipeline.model))
+        from adaptree.models import MODELS, sibling_draft_model
+
+        assistant = cfg.assistant_model or sibling_draft_model(pipeline.model)
         if assistant is None:
+            pairs = {n: m.draft_model for n, m in MODELS.items() if m.draft_model}
             raise ValueError(f"hf_assisted needs a same-tokenizer draft model: pass --assistant-model "
-                             f"(registered pairs: {DEFAULT_ASSISTANTS})")
+                             f"(registered pairs: {pairs})")
     return ArmRecipe(build_hf_arms, {"model": pipeline.model, "dtype": pipeline.dtype,
                                      "max_seq_len": pipeline.max_seq_len,
                                      "eos_token_ids": [int(t) for t in pipeline.tokenizer.eos_token_ids],

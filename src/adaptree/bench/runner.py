@@ -47,7 +47,7 @@ RESULTS, SUMMARY, CONFIG = "results.jsonl", "summary.json", "bench_config.json"
 
 # Settings that change what a record measures: a results folder holds records of one setting only.
 _RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "dense_prefill_rows", "draft_sha256",
-             "model_sha256", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "threads")
+             "model_sha256", "draft_model_sha256", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "threads")
 
 
 REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, PipelineLike], ArmRecipe]] = {
@@ -216,8 +216,11 @@ def run_bench(cfg: BenchConfig, pipeline: PipelineLike, method_options: MethodOp
         from adaptree.offline.latency import load_checked
 
         load_checked(cfg.oracle_latency)  # a missing or bad file fails now; another machine's warns now
-    if any(m not in REFERENCE_ARMS and m != "ar" for m in cfg.methods) and pipeline.head is None:
-        raise ValueError("speculative methods need a draft head: pass --draft PATH (or use a model that ships one)")
+    from adaptree.methods import method as registry_entry
+
+    need = [m for m in cfg.methods if m not in REFERENCE_ARMS and registry_entry(m).needs_head]
+    if need and pipeline.head is None:
+        raise ValueError(f"{', '.join(need)} need a draft head: pass --draft PATH (or use a model that ships one)")
     settings = _run_settings(cfg, pipeline)
     _check_settings(out, settings)
     arms = build_arms(cfg, pipeline, method_options)

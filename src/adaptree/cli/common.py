@@ -446,6 +446,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
     g.add_argument("--draft", default="auto",
                    help="EAGLE-3 draft head folder (config.json + model.safetensors); 'auto' (default) = the head "
                         "adaptree ships for a registered model, 'none' = no head")
+    g.add_argument("--draft-model", default=None,
+                   help="a smaller model with the target's tokenizer for the draft-model method (a model name, folder "
+                        "or .gguf, as --model), loaded in the target's dtype and weights; auto = the registered "
+                        "smaller sibling (qwen2.5-coder-0.5b for qwen2.5-coder-1.5b); default: none")
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default=dtype,
                    help=f"weights and activations; auto = the one this machine runs fastest (measured once, cached), "
                         f"float32 for bit-exact lossless greedy output (default {dtype}{why})")
@@ -478,7 +482,7 @@ def load_pipeline(args: argparse.Namespace):
     p = load(args.model, head=getattr(args, "draft", "none"), dtype=args.dtype, weights=args.weights,
              compile=args.compile, device=args.device, threads=args.threads,
              max_seq_len=args.max_seq_len, adapt=getattr(args, "adapt", False),
-             progress=not getattr(args, "quiet", False))
+             progress=not getattr(args, "quiet", False), draft_model=getattr(args, "draft_model", None))
     args.draft_path = str(p.head_folder) if p.head_folder else None
     return p
 

@@ -69,7 +69,7 @@ SELECT = {"chain_tau": lambda v: v.get("chain_tau", 0.0), "step0": lambda v: v["
 _RUN_FIELDS = ("source", "corpus", "corpus_chunks", "num_prompts", "val_prompts", "max_len", "max_new_tokens",
                "gen_temperature", "draft_vocab", "ttt_steps", "step_decay", "lr", "min_lr_ratio", "warmup_ratio",
                "weight_decay", "betas", "grad_clip", "batch_tokens", "epochs", "max_steps", "seed",
-               "init_from_target", "init_head")
+               "init_from_target", "init_head", "head_intermediate")
 
 
 @dataclass
@@ -115,6 +115,9 @@ class TrainHeadConfig:
     held-out share it covers (``draft_vocab_coverage_val`` in the summary) caps acceptance, and a larger
     vocabulary covers more but makes the lm_head, the head's largest matmul, larger still (8192 keeps it at
     about 45% of the head's parameters; docs/head-training.md, "The recipe ablations", has the coverages)."""
+    head_intermediate: int | None = positive(None, integer=True)
+    """Intermediate size of the head's MLP (None: the target's). A narrower MLP makes a smaller file and a cheaper
+    draft step; the lm_head and ``fc`` keep their shapes (docs/head-training.md, "Qwen2.5-Coder-0.5B")."""
     epochs: int = positive(2, integer=True)
     """Passes over the training sequences."""
     ttt_steps: int = positive(7, integer=True)
@@ -187,6 +190,9 @@ class TrainHeadConfig:
             self.val_prompts = max(8, self.num_prompts // 20)
         if self.init_head is not None and self.init_from_target:
             raise ValueError(f"init_head ({self.init_head!r}) and init_from_target are alternatives: pass one")
+        if self.init_head is not None and self.head_intermediate is not None:
+            raise ValueError(f"head_intermediate ({self.head_intermediate}) does not apply with init_head "
+                             f"({self.init_head!r}): the head keeps its own shape")
 
     def run_fields(self) -> dict:
         return runs.settings_of(self, only=_RUN_FIELDS)
@@ -361,7 +367,8 @@ class HeadTrainer:
                                  f"{head.config.draft_vocab_size}, not --draft-vocab {cfg.draft_vocab}")
         else:
             head = Eagle3Head.init_for_target(target, cfg.draft_vocab, counts.float(), seed=cfg.seed,
-                                              dtype=torch.float32, device=self.device)
+                                              intermediate_size=cfg.head_intermediate, dtype=torch.float32,
+                                              device=self.device)
         if cfg.init_from_target:
             with torch.no_grad():
                 head.lm_head.weight.copy_(target.lm_head.weight[head.t2d.to(target.device)].float())

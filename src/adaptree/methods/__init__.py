@@ -1,6 +1,7 @@
 """Methods: one folder per method, all plugged into the one engine loop through the controller seam.
 
 - :mod:`.ngram`: prompt-lookup drafting from the context, no draft head
+- :mod:`.draft_model`: classic two-model speculative decoding, a smaller model of the same tokenizer drafting a chain
 - :mod:`.hybrid`: the head's tree and a context chain in one verification, sized per cycle by costaware's rule
 - :mod:`.static`: ``static-gs`` (the static tree a measured grid search chose) and that grid search; the
   static EAGLE-3 tree and the autoregressive baseline themselves are the seam's defaults
@@ -30,6 +31,7 @@ from typing import Any
 from adaptree.core.controller import (AutoregressiveController, Controller, CycleContext, StaticConfig,
                                       StaticController, TreePlan)
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController
+from adaptree.methods.draft_model import DraftModelConfig, DraftModelController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
 from adaptree.methods.hybrid import HybridConfig, HybridController
 from adaptree.methods.ngram import NgramConfig, NgramController
@@ -46,7 +48,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
-           "NgramController", "HybridConfig", "HybridController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "NgramController", "DraftModelConfig", "DraftModelController", "HybridConfig", "HybridController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories", "HEAD_DEFAULTS"]
 
 
@@ -87,6 +89,10 @@ class Method:
     assets: tuple[Asset, ...] = ()
     needs_tokenizer: bool = False
     """The controller reads the context as text (Re-SpS on the embedding state)."""
+    needs_head: bool = True
+    """The method drafts with the EAGLE-3 head (False: ``ar``, ``ngram`` and ``draft-model`` run without one)."""
+    needs_draft_model: bool = False
+    """The controller drafts with a second, smaller model of the target's tokenizer (``draft-model``)."""
     machine_options: tuple[str, ...] = ()
     """Config fields filled from this machine's setup when not given (:mod:`adaptree.adapt`: ``latency``,
     ``acceptance``, ``tuned``); they take precedence over the files next to the head."""
@@ -107,11 +113,13 @@ class Method:
             raise ValueError(f"bad options for method {self.name!r}: unknown {', '.join(map(repr, unknown))}; its "
                              f"fields: {', '.join(names)}")
 
-    def build(self, options: dict[str, Any], tokenizer=None) -> Controller:
+    def build(self, options: dict[str, Any], tokenizer=None, draft_model=None) -> Controller:
         self.check_options(options)
         if self.config is None:
             return self.controller()
         config = self.config(**options)
+        if self.needs_draft_model:
+            return self.controller(config, draft_model=draft_model)
         return self.controller(config, tokenizer=tokenizer) if self.needs_tokenizer else self.controller(config)
 
 
@@ -140,9 +148,10 @@ calibration shipped next to the head (the chain rates depend on the model and he
 on the machine that trained the head)."""
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
-    Method("ar", None, AutoregressiveController),
+    Method("ar", None, AutoregressiveController, needs_head=False),
     Method("static", StaticConfig, StaticController),
-    Method("ngram", NgramConfig, NgramController),
+    Method("ngram", NgramConfig, NgramController, needs_head=False),
+    Method("draft-model", DraftModelConfig, DraftModelController, needs_head=False, needs_draft_model=True),
     Method("static-gs", StaticGSConfig, StaticGSController, (_TUNED_ASSET,), machine_options=("tuned",)),
     Method("costaware", CostAwareConfig, CostAwareController, machine_options=("latency", "acceptance")),
     Method("hybrid", HybridConfig, HybridController, machine_options=("latency", "acceptance", "chain")),
@@ -207,7 +216,8 @@ def resolve_assets(name: str, options: dict[str, Any], head_folder: str | Path |
 
 
 def make_controller(name: str, *, head_folder: str | Path | None = None, model: str | None = None,
-                    tokenizer=None, machine: Mapping[str, str] | None = None, **options) -> Controller:
+                    tokenizer=None, machine: Mapping[str, str] | None = None, draft_model=None,
+                    **options) -> Controller:
     """Build a controller by method name; ``options`` are the method's config fields.
 
     :param head_folder: the draft head in use; a learned method's policies and ``static-gs``'s tuned tree are
@@ -215,6 +225,8 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
     :param model: the model's name, for error messages.
     :param tokenizer: the target's, for controllers that read the context as text (Re-SpS on the embedding
         state).
+    :param draft_model: the second model ``draft-model`` drafts with (a
+        :class:`~adaptree.models.llama.Transformer` sharing the target's tokenizer); the other methods ignore it.
     :param machine: this machine's files (:attr:`adaptree.adapt.MachineSetup.assets`: option -> path), used for the
         method's :attr:`Method.machine_options` that ``options`` does not give. A learned method given no machine
         static tree or chain calibration takes the one shipped next to the head (:data:`HEAD_DEFAULTS`), so that
@@ -231,7 +243,7 @@ def make_controller(name: str, *, head_folder: str | Path | None = None, model: 
                 options = {**options, opt: str(Path(head_folder) / file)}
     if entry.assets:
         options = resolve_assets(name, options, head_folder, model)
-    return entry.build(options, tokenizer=tokenizer)
+    return entry.build(options, tokenizer=tokenizer, draft_model=draft_model)
 
 
 def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None, *,
@@ -250,7 +262,7 @@ def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str
 
         def build(name: str = name, opts: dict = opts) -> Controller:
             return make_controller(name, head_folder=head_folder, model=model, tokenizer=tokenizer, machine=machine,
-                                   **opts)
+                                   draft_model=draft_model, **opts)
 
         build()
         out[name] = build

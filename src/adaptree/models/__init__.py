@@ -23,6 +23,7 @@ from adaptree.models.assets import (
     model_sha256,
     resolve_model,
     shipped_head,
+    sibling_draft_model,
 )
 from adaptree.models.cache import cache_dir, file_sha256, sha256_file
 from adaptree.models.config import ModelConfig
@@ -34,5 +35,5 @@ from adaptree.models.tokenizer import TokenizerBundle
 __all__ = [
     "DEFAULT_MODEL_NAME", "HEADS_DIR", "MODELS", "ModelConfig", "TokenizerBundle", "cache_dir",
     "default_model_path", "file_sha256", "float_cache_folder", "load_gguf", "load_hf_folder", "load_model",
-    "load_target", "model_names", "model_sha256", "resolve_model", "sha256_file", "shipped_head",
+    "load_target", "model_names", "model_sha256", "resolve_model", "sha256_file", "shipped_head", "sibling_draft_model",
 ]

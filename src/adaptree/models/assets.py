@@ -113,6 +113,9 @@ class RegisteredModel:
     source: ModelFile | PartedModelFile
     head: str | None = None
     """Folder under ``adaptree/heads/`` of the EAGLE-3 head shipped for this model, if any."""
+    draft_model: str | None = None
+    """A smaller registered model with the same tokenizer: the draft model of ``draft-model`` and of the bench's
+    ``hf_assisted`` arm when none is named."""
 
 
 def _parted_gguf(model: str, package: str, parts: int, version: str, size: int, sha256: str) -> PartedModelFile:
@@ -142,8 +145,16 @@ MODELS: dict[str, RegisteredModel] = {m.short_name: m for m in (
     RegisteredModel(DEFAULT_MODEL_NAME, "SmolLM2-135M-Instruct, Q4_1 (the embedded default)", DEFAULT_MODEL,
                     head="smollm2-135m"),
     RegisteredModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", QWEN25_CODER_05B),
-    RegisteredModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", QWEN25_CODER_15B),
+    RegisteredModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", QWEN25_CODER_15B,
+                    draft_model="qwen2.5-coder-0.5b"),
 )}
+
+
+def sibling_draft_model(name: str | Path | None) -> str | None:
+    """The registered smaller same-tokenizer model of a registered model name (:attr:`RegisteredModel.draft_model`),
+    else None."""
+    entry = None if isinstance(name, Path) else MODELS.get(str(name or DEFAULT_MODEL_NAME).lower())
+    return entry.draft_model if entry is not None else None
 
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"

@@ -595,7 +595,7 @@ class Eagle3Head(nn.Module):
             if cfg.vocab_size != tc.vocab_size:
                 raise ValueError(f"the head's vocab_size ({cfg.vocab_size}) does not match the target's "
                                  f"vocab_size ({tc.vocab_size})")
-        sd = cls._read_weights(folder)
+        sd = dequantize_rows(cls._read_weights(folder), folder)
         has_emb = _EMBED_KEY in sd
         if not has_emb and target is None:
             raise ValueError(f"the checkpoint in {folder} has no {_EMBED_KEY} and no target was given to "
@@ -666,7 +666,9 @@ class Eagle3Head(nn.Module):
         """Write ``config.json`` + ``model.safetensors`` in the released layout (no pickles).
 
         Floating tensors are stored in ``dtype``; ``d2t`` int64, ``t2d`` bool. ``embed_tokens.weight`` is
-        written only with ``include_embeddings=True`` (own or borrowed embeddings).
+        written only with ``include_embeddings=True`` (own or borrowed embeddings). ``dtype=torch.int8`` stores
+        every matrix as int8 rows with a float32 scale per row (:func:`quantize_rows`; vectors in bfloat16): half
+        the bytes of bfloat16, for a head shipped in the repository, which other EAGLE-3 loaders cannot read.
         """
         from safetensors.torch import save_file
 
@@ -688,15 +690,53 @@ class Eagle3Head(nn.Module):
                 v = v.to(torch.int64)
             elif k == "t2d":
                 v = v.to(torch.bool)
+            elif v.is_floating_point() and dtype == torch.int8:
+                if v.dim() == 2:
+                    v, tensors[k + SCALE_SUFFIX] = quantize_rows(v)
+                else:
+                    v = v.to(torch.bfloat16)
             elif v.is_floating_point():
                 v = v.to(dtype)
             tensors[k] = v.contiguous().clone()
         save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         cfg = self.config.to_hf_dict()
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.") if dtype != torch.int8 else "bfloat16"
+        if dtype == torch.int8:
+            cfg["adaptree_storage"] = "int8 rows"
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
             f.write("\n")
 
 
-__all__ = ["ARCHITECTURE", "Eagle3Config", "Eagle3DecoderLayer", "Eagle3Head", "build_vocab_map"]
+SCALE_SUFFIX = "_scale"
+"""``<matrix>_scale``: the float32 per-row scales of a matrix stored as int8 rows."""
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[rows, cols]`` as symmetric int8 rows and their float32 scales: ``w ~ q * scale[:, None]``, each
+    row's largest magnitude at 127 (an error of at most half a step, 0.4% of the row's largest weight)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize_rows(sd: dict[str, torch.Tensor], where: str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """``sd`` with every int8 matrix that has a ``_scale`` entry back in float32 (other tensors as they are); a
+    scale without its matrix, or of the wrong length, is a ValueError naming it."""
+    out = dict(sd)
+    for key in [k for k in sd if k.endswith(SCALE_SUFFIX)]:
+        name = key[: -len(SCALE_SUFFIX)]
+        q, scale = out.pop(name, None), out.pop(key)
+        if q is None or q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            shape = None if q is None else (tuple(q.shape), q.dtype)
+            raise ValueError(f"{where}: {key} {tuple(scale.shape)} does not scale the rows of an int8 matrix "
+                             f"{name} (found {shape})")
+        out[name] = q.float() * scale.float()[:, None]
+    bare = sorted(k for k, v in out.items() if v.dtype == torch.int8)
+    if bare:
+        raise ValueError(f"{where}: int8 tensors without a {SCALE_SUFFIX} entry: {bare}")
+    return out
+
+
+__all__ = ["ARCHITECTURE", "Eagle3Config", "Eagle3DecoderLayer", "Eagle3Head", "build_vocab_map", "quantize_rows",
+           "dequantize_rows"]
