@@ -74,6 +74,18 @@ def test_a_draft_model_loads_with_the_target_and_drafts_losslessly(tiny_folders)
     assert p.generate(ids, method="ngram", max_new_tokens=12).token_ids == ar.token_ids  # no head needed either
     with pytest.raises(ValueError, match="needs a draft model"):
         adaptree.load(model, head=None, dtype="float32", adapt=False).generate(ids, method="draft-model")
+    with pytest.raises(ValueError, match="draft_model='auto'.*registered for"):
+        adaptree.load(model, head=None, dtype="float32", adapt=False, draft_model="auto")
+
+
+def test_registered_siblings_share_a_tokenizer_family():
+    from adaptree.models import MODELS, sibling_draft_model
+
+    assert sibling_draft_model("qwen2.5-coder-1.5b") == "qwen2.5-coder-0.5b"
+    assert sibling_draft_model("Qwen2.5-Coder-1.5B") == "qwen2.5-coder-0.5b"
+    assert sibling_draft_model(None) is None and sibling_draft_model(Path("qwen2.5-coder-1.5b")) is None
+    for name, entry in MODELS.items():  # a sibling is registered and is not its own draft
+        assert entry.draft_model is None or (entry.draft_model in MODELS and entry.draft_model != name)
 
 
 @pytest.mark.parametrize("method, what, command, missing", [
