@@ -50,7 +50,7 @@ OMP_NUM_THREADS=1 adaptree train radar --traces "$R/train-traces" --latency "$MA
   --machine-tree --members 64 --alphas 0 --match --out "$R/radar" "${RESUME[@]}"
 
 step "5. the transfer table: every method on the family's measured members and a spread of synthetic ones"
-python3 scripts/transfer_table.py --traces "$R/eval-traces" --train-traces "$R/train-traces" \
+python3 scripts/transfer_table.py --model "$MODEL" --traces "$R/eval-traces" --train-traces "$R/train-traces" \
   --ltd "$R/ltd/policy" --resps "$R/resps/policy" --radar "$R/radar/policy" --out "$R/transfer"
 
 H=src/adaptree/heads/$MODEL

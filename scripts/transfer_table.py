@@ -80,7 +80,7 @@ def calibrations(train, folder: Path) -> tuple[Path, Path]:
 
 
 def method_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict,
-                methods=METHODS) -> dict:
+                methods=METHODS, head: Path | None = None) -> dict:
     """One member's rows of ``methods`` (without their fractions of the oracle's gain)."""
     lat = member.model
     tuned = best_static(train, lat, widths=(10,), depths=range(1, 13))
@@ -96,7 +96,7 @@ def method_rows(member, latency_file: Path, traces, train, acc: Path, chain: Pat
             if name == "static-gs":
                 ctl = make_controller("static", width=tuned.width, depth=tuned.depth, size=tuned.size)
             else:
-                ctl = make_controller(name, machine=machine, head_folder=shipped_head(), **opts)
+                ctl = make_controller(name, machine=machine, head_folder=head, **opts)
             s = simulate(ctl, traces, lat, measure_policy=False).summary()
         except ValueError as e:  # e.g. a policy whose widths the traces do not hold
             rows[name] = {"skipped": str(e).splitlines()[0][:160]}
@@ -115,10 +115,11 @@ def add_fractions(row: dict) -> None:
                                                    row["oracle_chains"] if r["chains"] else row["oracle"])
 
 
-def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict) -> dict:
+def member_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict,
+                head: Path | None = None) -> dict:
     """One member: every method's row, the best static tree, the oracles."""
     lat = member.model
-    rows = method_rows(member, latency_file, traces, train, acc, chain, policies)
+    rows = method_rows(member, latency_file, traces, train, acc, chain, policies, head=head)
     best = best_static(traces, lat, widths=(10,), depths=range(1, 13))
     orc = oracle_all(traces, lat, widths=(10,)).speedup
     orc_c = oracle_all(traces, lat, widths=(10,), chains=CHAINS, sizes=CHAIN_ORACLE_SIZES).speedup
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--family", default=str(STANDARD_INDEX), help="family index (family.json)")
     ap.add_argument("--members", default="", help="comma-separated member names, or 'all' (default: every measured "
                                                  "member and the synthetic ones of TABLE_GRID)")
+    ap.add_argument("--model", default=None, help="the registered model whose shipped head's policies are replayed "
+                                                  "when no folder is given (default: the default model)")
     for name in LEARNED:
         ap.add_argument(f"--{name}", default=None, help=f"a {name} policy folder instead of the shipped one")
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
@@ -211,6 +214,7 @@ def main() -> None:
     train = TraceStore(args.train_traces).load_all()
     out = Path(args.out)
     acc, chain = calibrations(train, out.parent / f"{out.name}-calibrations")
+    head = shipped_head(args.model)
     policies = {}
     if args.ltd:
         policies["ltd"] = {"depth_policy": f"{args.ltd}/depth", "size_policy": f"{args.ltd}/size"}
@@ -229,7 +233,7 @@ def main() -> None:
         members = [m for m in members if m.name in want]
     family = Path(args.family).resolve()
     family = family.relative_to(Path.cwd()) if family.is_relative_to(Path.cwd()) else family  # no machine paths
-    meta = {"traces": args.traces, "train_traces": args.train_traces, "family": str(family),
+    meta = {**({"model": args.model} if args.model else {}), "traces": args.traces, "train_traces": args.train_traces, "family": str(family),
             "prompts": [t.key for t in traces], "policies": policies, "chains": CHAINS}
     done: dict[str, dict] = {}
     if out.with_suffix(".json").is_file():
@@ -245,9 +249,10 @@ def main() -> None:
     for m in tqdm(members, desc="members", unit="member"):
         latency_file = Path(args.family).parent / f"{m.name}.json"
         if m.name not in done:
-            done[m.name] = member_rows(m, latency_file, traces, train, acc, chain, policies)
+            done[m.name] = member_rows(m, latency_file, traces, train, acc, chain, policies, head)
         elif refresh:
-            done[m.name]["methods"].update(method_rows(m, latency_file, traces, train, acc, chain, policies, refresh))
+            done[m.name]["methods"].update(method_rows(m, latency_file, traces, train, acc, chain, policies, refresh,
+                                                       head))
             add_fractions(done[m.name])
         else:
             continue

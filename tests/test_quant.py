@@ -264,3 +264,40 @@ def test_dense_prefill_rows_measured_cached_and_applied(tiny_gguf_file, tmp_path
     entry.write_text(json.dumps(data))
     assert dense_prefill_rows(target, measure=False) == 0
     assert all(getattr(m, "dense", None) is None for m in target.modules())
+
+
+def test_rounded_groups_bound_the_error_and_pack_a_draft_model():
+    from conftest import tiny_target
+
+    from adaptree.methods import make_controller
+    from adaptree.models.quant import pack_dense, rtn_groups
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    q, scale, zero = rtn_groups(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == zero.shape == (48, 2)
+    back = (q.float() - 8) * scale.repeat_interleave(32, dim=1) + zero.repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= scale.repeat_interleave(32, dim=1) / 2 + 1e-6).all())  # half a level at most
+    with pytest.raises(ValueError, match="33 inputs"):
+        rtn_groups(torch.zeros(4, 33))
+
+    target = tiny_target(vocab=32)
+    draft = tiny_target(vocab=32)
+    x = torch.tensor([PROMPTS[0]])
+    before = draft(x).logits
+    report = pack_dense(draft)
+    assert set(report.values()) == {"4-bit (rounded)"} and isinstance(draft.lm_head, PackedLinear)
+    after = draft(x).logits
+    assert float((after - before).norm() / before.norm()) < 0.1  # an approximation of the same model
+    assert set(pack_dense(draft).values()) == {"packed already"}
+    # a two-plane (Q8_0) layer is rounded to one plane from the weight it executes
+    raw8, _ = _blocks("Q8_0", 32, 32, seed=7)
+    q8, s8, z8 = (torch.from_numpy(a) for a in int4_groups(raw8, "Q8_0", (32, 32)))
+    draft.lm_head = PackedLinear(q8, s8, z8, 32, None, torch.float32)
+    exact = draft.lm_head.dense_weight()
+    assert pack_dense(draft)["lm_head"] == "4-bit (rounded)" and draft.lm_head.planes == 1
+    assert float((draft.lm_head.dense_weight() - exact).abs().max()) <= float(exact.abs().max()) / 15
+    # a rounded draft model proposes other tokens, never other output: greedy output is still AR's
+    eng = Engine(target)
+    ar = eng.generate(PROMPTS[0], max_new_tokens=16).token_ids
+    got = eng.generate(PROMPTS[0], make_controller("draft-model", draft_model=draft, tokens=4), max_new_tokens=16)
+    assert got.token_ids == ar

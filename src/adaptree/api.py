@@ -427,6 +427,10 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
     second = None
     if draft_model is not None:  # the same execution mode as the target, its own measured choices
         second, _ = load_model(draft_model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
+        if weights == "int4":  # its layers the file keeps in 5-8 bits, rounded to 4: they only decide proposals
+            from adaptree.models.quant import pack_dense
+
+            pack_dense(second)
         if dev.type != "cpu":
             second.to(dev)
         set_attention_dtype(second, attention_dtype(second, measure))
