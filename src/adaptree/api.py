@@ -149,16 +149,12 @@ class Pipeline:
     """
 
     def __init__(self, target, tokenizer, head=None, *, model: str | None = None, head_folder: str | Path | None = None,
-                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, weights: str = "float",
-                 draft_model=None, draft_model_name: str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, max_seq_len: int | None = None, weights: str = "float") -> None:
         self.target, self.tokenizer, self.head = target, tokenizer, head
-        if draft_model is not None:
-            from adaptree.methods.draft_model import check_draft_model
-
-            check_draft_model(target, draft_model)
-        self.draft_model = draft_model
-        """The second model ``draft-model`` drafts with (same tokenizer, same execution mode), or None."""
-        self.draft_model_name = draft_model_name
+        self.draft_model = None
+        """The second model ``draft-model`` drafts with (same tokenizer, same execution mode), or None
+        (:meth:`attach_draft_model`)."""
+        self.draft_model_name: str | None = None
         self.model = model
         """The model as given to :func:`load` (a short name, a path, or None for the default)."""
         self.head_folder = Path(head_folder) if head_folder else None
@@ -262,6 +258,14 @@ class Pipeline:
         if all(isinstance(x, int) for x in items):
             return items
         raise ValueError("a prompt is a string, a list of {'role', 'content'} messages or a list of token ids")
+
+    def attach_draft_model(self, name: str | Path, model) -> None:
+        """Use ``model`` (``name`` in results) as the ``draft-model`` method's draft model; a ValueError when its
+        vocabulary is not the target's."""
+        from adaptree.methods.draft_model import check_draft_model
+
+        check_draft_model(self.target, model)
+        self.draft_model, self.draft_model_name = model, str(name)
 
     def controller(self, method: str | None = None, **options: Any) -> Controller:
         """The controller of ``method`` (default :attr:`default_method`) with ``options`` (the method's config
@@ -368,10 +372,12 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         candidates = execution_candidates(model, device, dtype, weights)
         if measure:
             try:
-                return choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, "off",
-                                                                 draft_model),
-                                        candidates, model, head, device, max_seq_len, progress=progress,
-                                        compile=compile)
+                p = choose_execution(lambda m: load_execution(model, head, m, device, max_seq_len, measure, "off"),
+                                     candidates, model, head, device, max_seq_len, progress=progress,
+                                     compile=compile)
+                if draft_model is not None:  # loaded once, in the mode chosen (the probes never draft with it)
+                    p.attach_draft_model(draft_model, _load_draft_model(draft_model, p, measure, compile))
+                return p
             except AdaptError as e:  # a model the measurement cannot run on: load it unmeasured
                 say(f"warning: could not measure this machine ({e}); loading without a machine setup")
                 measure = False
@@ -424,18 +430,27 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
         set_attention_dtype(draft, attn)
     target.compile(compile_tokens(target, measure, compile))
     target.dense_prefill_rows = dense_prefill_rows(target, measure)
-    second = None
-    if draft_model is not None:  # the same execution mode as the target, its own measured choices
-        second, _ = load_model(draft_model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
-        if weights == "int4":  # its layers the file keeps in 5-8 bits, rounded to 4: they only decide proposals
-            from adaptree.models.quant import pack_dense
+    p = Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
+                 dtype=dt, max_seq_len=max_seq_len, weights=weights)
+    if draft_model is not None:
+        p.attach_draft_model(draft_model, _load_draft_model(draft_model, p, measure, compile))
+    return p
 
-            pack_dense(second)
-        if dev.type != "cpu":
-            second.to(dev)
-        set_attention_dtype(second, attention_dtype(second, measure))
-        second.compile(compile_tokens(second, measure, compile))
-        second.dense_prefill_rows = dense_prefill_rows(second, measure)
-    return Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
-                    dtype=dt, max_seq_len=max_seq_len, weights=weights, draft_model=second,
-                    draft_model_name=str(draft_model) if draft_model is not None else None)
+
+def _load_draft_model(name: str | Path, p: Pipeline, measure: bool, compile: str):
+    """The draft model ``name`` in ``p``'s execution mode, on its device, with its own attention dtype, compiled
+    sizes and prefill rule (cached or measured like the target's)."""
+    from adaptree.models import load_model
+    from adaptree.models.llama import set_attention_dtype
+
+    second, _ = load_model(name, dtype=p.dtype, max_seq_len=p.max_seq_len, weights=p.weights)
+    if p.weights == "int4":  # its layers the file keeps in 5-8 bits, rounded to 4: they only decide proposals
+        from adaptree.models.quant import pack_dense
+
+        pack_dense(second)
+    if p.target.device.type != "cpu":
+        second.to(p.target.device)
+    set_attention_dtype(second, attention_dtype(second, measure))
+    second.compile(compile_tokens(second, measure, compile))
+    second.dense_prefill_rows = dense_prefill_rows(second, measure)
+    return second
