@@ -16,6 +16,7 @@ from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep
 from adaptree.methods import (
     METHODS,
+    REGISTRY,
     CycleContext,
     DDDConfig,
     DDDController,
@@ -305,11 +306,17 @@ def test_cli_flags_reach_every_method(tmp_path):
                          "--ltd-size-policy", str(tmp_path / "ltd-size"), "--resps-policy", str(tmp_path / "resps"),
                          "--hybrid-latency", str(tmp_path / "latency.json"), "--hybrid-acceptance",
                          str(tmp_path / "acceptance.json"), "--hybrid-chain", str(tmp_path / "chain.json"),
-                         "--hybrid-max-n", "3", "--hybrid-chain-tokens", "9", "--ngram-min-n", "1"])
+                         "--hybrid-max-n", "3", "--hybrid-chain-tokens", "9", "--ngram-min-n", "1",
+                         "--draft-model-tokens", "3"])
     built = {}
     for m in METHODS:  # as bench does: one args object, method set per arm
+        if REGISTRY[m].needs_draft_model:  # built with the pipeline's draft model (tests/test_draft_model.py)
+            continue
         args.method = m
         built[m] = build_controller(args, head=object())
+    from adaptree.cli.common import method_options
+
+    assert method_options(args, "draft-model") == {"tokens": 3}
     assert built["static"].config.width == 4 and built["static"].config.depth == 8
     dg = built["deagle"].config
     assert (dg.width, dg.depth, dg.tau_s, dg.votes, dg.min_votes) == (4, 12, 0.2, ("expected",), 1)

@@ -144,7 +144,7 @@ DEFAULT_MODEL_NAME = "smollm2-135m"
 MODELS: dict[str, RegisteredModel] = {m.short_name: m for m in (
     RegisteredModel(DEFAULT_MODEL_NAME, "SmolLM2-135M-Instruct, Q4_1 (the embedded default)", DEFAULT_MODEL,
                     head="smollm2-135m"),
-    RegisteredModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", QWEN25_CODER_05B),
+    RegisteredModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", QWEN25_CODER_05B, head="qwen2.5-coder-0.5b"),
     RegisteredModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", QWEN25_CODER_15B,
                     draft_model="qwen2.5-coder-0.5b"),
 )}
