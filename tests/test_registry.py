@@ -517,3 +517,31 @@ def test_real_qwen05_parts_assemble_to_the_pinned_file():
     assert path.parent == cache_dir() / "files" and path.stat().st_size == 491_400_064
     assert cache.sha256_file(path) == assets.QWEN25_CODER_05B.sha256
     assert resolve_model("qwen2.5-coder-0.5b") == path
+
+
+def test_a_head_may_declare_policies_transferred_from_another_shipped_head(tmp_path, monkeypatch):
+    import json
+
+    import adaptree.models as models
+    from adaptree.methods import REGISTRY, MissingAssetError, resolve_assets
+
+    heads = tmp_path / "heads"
+    for name in ("a", "b"):
+        (heads / name / "ltd" / "depth").mkdir(parents=True)
+        (heads / name / "config.json").write_text("{}")
+    (heads / "a" / "ltd" / "depth" / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "HEADS_DIR", heads)
+    depth = REGISTRY["ltd-depth"].assets[0]
+    assert depth.find(heads / "b") is None  # nothing is taken from another head unless declared
+    with pytest.raises(MissingAssetError, match="ltd/depth"):
+        resolve_assets("ltd-depth", {}, heads / "b", "b")
+    (heads / "b" / "transferred.json").write_text(json.dumps({"policies": {"ltd": "a"}}))
+    assert depth.find(heads / "b") == heads / "a" / "ltd" / "depth"
+    assert resolve_assets("ltd-depth", {}, heads / "b", "b")["depth_policy"] == str(heads / "a" / "ltd" / "depth")
+    assert REGISTRY["radar"].assets[0].find(heads / "b") is None  # only the folders it names
+    (heads / "b" / "ltd" / "depth" / "config.json").write_text("{}")
+    assert depth.find(heads / "b") == heads / "b" / "ltd" / "depth"  # its own files come first
+    for bad in ({"policies": {"ltd": "b"}}, {"policies": {"ltd": "missing"}}, {"policies": {"ltd": "../a"}}, []):
+        (heads / "b" / "transferred.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="transferred.json"):
+            REGISTRY["radar"].assets[0].find(heads / "b")

@@ -73,9 +73,47 @@ class Asset:
     """The command that produces it (``MODEL`` and ``HEAD`` stand for the model and head in use)."""
 
     def find(self, head_folder: Path) -> Path | None:
-        p = head_folder / self.path
+        """The asset next to ``head_folder``; else, when the head's :data:`TRANSFERRED` file names another shipped
+        head for the asset's folder (``ltd`` for ``ltd/depth``), that head's; None when neither has it."""
+        here = self._at(head_folder)
+        if here is not None:
+            return here
+        other = transferred_from(head_folder).get(Path(self.path).parts[0])
+        return None if other is None else self._at(other)  # one hop: the other head's own files only
+
+    def _at(self, folder: Path) -> Path | None:
+        p = folder / self.path
         marker = p / "config.json" if not p.suffix else p
         return p if marker.is_file() else None
+
+
+TRANSFERRED = "transferred.json"
+"""A head folder's declaration that some of its policies are another shipped head's, used unchanged (measured to
+transfer): ``{"policies": {"ltd": "smollm2-135m"}, "evidence": "docs/..."}``. Nothing is looked up next to another
+model's head unless its own folder says so here."""
+
+
+def transferred_from(head_folder: Path) -> dict[str, Path]:
+    """Asset folder name -> the shipped head folder it comes from, as ``head_folder``'s :data:`TRANSFERRED` says (empty
+    without one); a ValueError names a bad entry."""
+    import json
+
+    from adaptree.models import HEADS_DIR
+
+    f = Path(head_folder) / TRANSFERRED
+    if not f.is_file():
+        return {}
+    try:
+        entries = json.loads(f.read_text())["policies"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{f}: not a JSON object with a 'policies' mapping") from None
+    out = {}
+    for asset, head in entries.items():
+        folder = HEADS_DIR / str(head)
+        if "/" in str(head) or not (folder / "config.json").is_file() or folder.resolve() == Path(head_folder).resolve():
+            raise ValueError(f"{f}: {asset!r} names {head!r}, which is not another head adaptree ships")
+        out[asset] = folder
+    return out
 
 
 @dataclass(frozen=True)
