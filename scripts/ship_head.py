@@ -36,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     target, _ = load_model(args.model, dtype=torch.float32, weights="float")
     if (Path(args.head) / "weights.safetensors").is_file():  # a checkpoint of a run stopped early
-        run = runs.checkpoint_state(args.head)["run"]
+        state = runs.checkpoint_state(args.head)  # best/ keeps only its step: the run's settings are in ckpt/
+        run = state.get("run") or runs.checkpoint_state(Path(args.head).parent / "ckpt")["run"]
         trained = Eagle3Head.init_for_target(target, run["draft_vocab"], intermediate_size=run.get("head_intermediate"),
                                              dtype=torch.float32)
         step = runs.load_checkpoint(args.head, trained).get("step")
