@@ -20,25 +20,49 @@ step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
 from() { [ "$1" -ge "$FROM" ]; }
 if from 1; then
   step "1. ship the head as int8 rows; the shipped copy's held-out acceptance (validated before a 1-step run)"
-  python3 scripts/ship_head.py "training/$M-head/head" --model "$M" --out "$H" --storage int8
+  SRC=training/$M-head/head   # a finished run's export; a run stopped early ships its best validation's weights
+  [ -d "$SRC" ] || SRC=training/$M-head/best
+  python3 scripts/ship_head.py "$SRC" --model "$M" --out "$H" --storage int8
   rm -rf "$R/heldout-int8"
   adaptree train-head --out "$R/heldout-int8" --model "$M" --corpus "corpora/$M-greedy" --corpus-chunks 1 \
     --features online --init-head "$H" --max-steps 1 --ttt-steps 3 --val-steps 8 --select last --threads 2
 fi
 if from 2; then
-  step "2. LTD, Re-SpS, RADAR retrained over the latency family on this model's traces (half the PPO steps)"
-  MODEL=$M STEPS=0.5 bash scripts/retrain_family.sh "$R/family"
-  step "2b. the default model's LTD and RADAR policies replayed on this model's traces (transfer across models)"
-  python3 scripts/transfer_table.py --model "$M" --traces "$R/family/eval-traces" \
-    --train-traces "$R/family/train-traces" --ltd "$S/ltd" --radar "$S/radar" --resps "$R/family/resps/policy" \
-    --out "$R/family/transfer-smollm2-policies"
+  step "2. traces (24 training prompts, 16 evaluation prompts); Re-SpS and LTD retrained over the latency family"
+  F=$R/family
+  python3 - "$F" "$M" <<'PY'
+import sys
+import adaptree
+from adaptree.data.prompts import humaneval, mt_bench
+from adaptree.offline.recording import TrainingPrompts, record_prompts
+F, M = sys.argv[1:3]
+p = adaptree.load(M, dtype="bfloat16", weights="float", compile="off", adapt=False, threads=2)
+record_prompts(p, f"{F}/train-traces", TrainingPrompts(train_code=12, train_chat=12).prompts(), widths=(10,),
+               max_depth=12, max_new_tokens=192, feature_dtype="float16")
+record_prompts(p, f"{F}/eval-traces", mt_bench()[:8] + humaneval()[:8], widths=(10,), max_depth=12,
+               max_new_tokens=128, feature_dtype="float16")
+PY
+  MAIN=src/adaptree/offline/machines/syn-s0.3-g0.03-d0.1-o0.005.json
+  common=(--model "$M" --dtype bfloat16 --weights float --compile off --traces "$F/train-traces" --train-code 12
+          --train-chat 12 --max-new-tokens 192 --latency "$MAIN" --family standard --costs --match --machine-tree
+          --quiet --threads 1)
+  OMP_NUM_THREADS=1 adaptree train resps "${common[@]}" --eval-every 25 --max-entropy --inference-temperature 0 \
+    --steps 10000 --out "$F/resps" &
+  OMP_NUM_THREADS=1 adaptree train ltd "${common[@]}" --depth-partner size --depth-steps 20000 --size-steps 14000 \
+    --iter-steps 10000 --iterations 2 --out "$F/ltd" &
+  wait
+  step "2b. replayed: the retrained policies, and the default model's LTD and RADAR (transfer across models)"
+  for run in "retrained $F/ltd/policy" "smollm2-policies $S/ltd"; do
+    set -- $run
+    OMP_NUM_THREADS=1 python3 scripts/transfer_table.py --model "$M" --traces "$F/eval-traces" \
+      --train-traces "$F/train-traces" --ltd "$2" --resps "$F/resps/policy" --radar "$S/radar" \
+      --out "$F/transfer-$1" &
+  done
+  wait
 fi
 if from 3; then
-  step "3. ship the retrained policies next to the head"
-  rm -rf "$H/ltd" "$H/resps" "$H/radar" && mkdir -p "$H/ltd" "$H/resps"
-  cp -r "$R/family/ltd/policy/depth" "$R/family/ltd/policy/size" "$H/ltd/"
-  cp "$R/family/resps/policy/"{config.json,model.safetensors} "$H/resps/"
-  cp -r "$R/family/radar/policy" "$H/radar"
+  step "3. ship: Re-SpS retrained; LTD and RADAR transferred (transferred.json), as the replay chose on 2026-11-27"
+  rm -rf "$H/resps" && mkdir -p "$H/resps" && cp "$R/family/resps/policy/"{config.json,model.safetensors} "$H/resps/"
 fi
 if from 4; then
   step "4. the machine setup for this model (timed); its static tree and chain calibration ship with the head"
@@ -54,24 +78,31 @@ shutil.copy(assets["chain"], f"{h}/chain.json")
 print("copied", assets["tuned"], assets["chain"])
 PY
 fi
-METHODS=ar,static,static-gs,costaware,hybrid,ngram,deagle,ddd,svip,gammatune,radar,ltd,ltd-depth,ltd-size,resps
 if from 5; then
-  step "5. every method, greedy, in this machine's default mode (timed)"
-  adaptree bench --model "$M" --methods "$METHODS" --limit 2 --max-new-tokens 128 --threads 2 --out "$R/bench-t0"
+  step "5. the methods that pay here, greedy, in this machine's default mode (timed; EAGLE-3's 60-node tree and
+  DEAGLE model at 0.4x AR here and run in step 8)"
+  adaptree bench --model "$M" --methods ar,static-gs,costaware,hybrid,ngram,ltd,radar,resps --limit 2 \
+    --max-new-tokens 128 --threads 2 --out "$R/bench-t0"
 fi
 if from 6; then
-  step "6. every method, T=1 (timed)"
-  adaptree bench --model "$M" --methods "$METHODS" --limit 2 --max-new-tokens 128 --temperature 1 --threads 2 \
-    --out "$R/bench-t1"
+  step "6. T=1 (timed)"
+  adaptree bench --model "$M" --methods ar,static-gs,costaware,hybrid,ltd,radar,resps --limit 1 --max-new-tokens 128 \
+    --temperature 1 --threads 2 --out "$R/bench-t1"
 fi
 if from 7; then
   step "7. Qwen2.5-Coder-1.5B with the 0.5B as its draft model (timed)"
   adaptree bench --model qwen2.5-coder-1.5b --draft none --draft-model auto --methods ar,draft-model,ngram \
-    --limit 2 --max-new-tokens 128 --threads 2 --out "$R/bench-15b"
+    --limit 2 --max-new-tokens 128 --threads 2 --draft-model-tokens 3 --out "$R/bench-15b"
 fi
 if from 8; then
-  step "8. losslessness: float32 greedy, every method against AR (and the 1.5B's draft-model)"
-  adaptree bench --model "$M" --dtype float32 --weights float --compile off --no-adapt --methods "$METHODS" \
-    --limit 1 --turns 1 --max-new-tokens 64 --threads 2 --out "$R/bench-fp32"
+  step "8. losslessness: float32 greedy, every method against AR (the cost rules get the setup's latency model)"
+  SETUP=$(python3 -c "import adaptree; p = adaptree.load('$M', threads=2, adapt=False); print(p.machine.folder)")
+  L=$SETUP/latency.json
+  A=$(python3 -c "import adaptree; p = adaptree.load('$M', threads=2, adapt=False); print(p.machine.assets['acceptance'])")
+  adaptree bench --model "$M" --dtype float32 --weights float --compile off --no-adapt \
+    --methods ar,static,static-gs,costaware,hybrid,ngram,deagle,ddd,svip,gammatune,radar,ltd,ltd-depth,ltd-size,resps \
+    --limit 2 --turns 1 --max-new-tokens 64 --threads 1 --costaware-latency "$L" --costaware-acceptance "$A" \
+    --hybrid-latency "$L" --hybrid-acceptance "$A" --hybrid-chain "$H/chain.json" --ltd-latency "$L" \
+    --radar-latency "$L" --resps-latency "$L" --out "$R/bench-fp32"
 fi
 step "done: results under $R; the head and its assets under $H"
