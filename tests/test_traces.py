@@ -15,7 +15,8 @@ from ties import TIE, PathTree, assert_mostly_exact, compare_trees, draft_ids, r
 
 from adaptree.core.batched import batched_decode as greedy_outputs
 from adaptree.core.engine import Engine
-from adaptree.methods import LEARNED, METHODS, REGISTRY, Controller, StaticConfig, StaticController, TreePlan, make_controller
+from adaptree.methods import (LEARNED, METHODS, REGISTRY, Controller, StaticConfig, StaticController, TreePlan,
+                              make_controller)
 from adaptree.offline.latency import LatencyModel, calibrate
 from adaptree.offline.simulator import ReplayTree, simulate
 from adaptree.offline.traces import (
