@@ -96,9 +96,9 @@ if from 7; then
 fi
 if from 8; then
   step "8. losslessness: float32 greedy, every method against AR (the cost rules get the setup's latency model)"
-  SETUP=$(python3 -c "import adaptree; p = adaptree.load('$M', threads=2, adapt=False); print(p.machine.folder)")
-  L=$SETUP/latency.json
-  A=$(python3 -c "import adaptree; p = adaptree.load('$M', threads=2, adapt=False); print(p.machine.assets['acceptance'])")
+  # the setup's latency model and acceptance calibration, from one load
+  { read -r L; read -r A; } < <(python3 -c "import adaptree; a = adaptree.load('$M', threads=2, adapt=False).machine.assets
+print(a['latency']); print(a['acceptance'])")
   adaptree bench --model "$M" --dtype float32 --weights float --compile off --no-adapt \
     --methods ar,static,static-gs,costaware,hybrid,ngram,deagle,ddd,svip,gammatune,radar,ltd,ltd-depth,ltd-size,resps \
     --limit 2 --turns 1 --max-new-tokens 64 --threads 1 --costaware-latency "$L" --costaware-acceptance "$A" \
