@@ -424,12 +424,9 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
         target.to(dev)
         if draft is not None:
             draft.to(dev)
-    attn = attention_dtype(target, measure)
-    set_attention_dtype(target, attn)
+    attn = _measured_choices(target, measure, compile)
     if draft is not None:
         set_attention_dtype(draft, attn)
-    target.compile(compile_tokens(target, measure, compile))
-    target.dense_prefill_rows = dense_prefill_rows(target, measure)
     p = Pipeline(target, tok, draft, model=str(model) if model is not None else None, head_folder=head_folder,
                  dtype=dt, max_seq_len=max_seq_len, weights=weights)
     if draft_model is not None:
@@ -441,7 +438,6 @@ def _load_draft_model(name: str | Path, p: Pipeline, measure: bool, compile: str
     """The draft model ``name`` in ``p``'s execution mode, on its device, with its own attention dtype, compiled
     sizes and prefill rule (cached or measured like the target's)."""
     from adaptree.models import load_model
-    from adaptree.models.llama import set_attention_dtype
 
     second, _ = load_model(name, dtype=p.dtype, max_seq_len=p.max_seq_len, weights=p.weights)
     if p.weights == "int4":  # its layers the file keeps in 5-8 bits, rounded to 4: they only decide proposals
@@ -450,7 +446,17 @@ def _load_draft_model(name: str | Path, p: Pipeline, measure: bool, compile: str
         pack_dense(second)
     if p.target.device.type != "cpu":
         second.to(p.target.device)
-    set_attention_dtype(second, attention_dtype(second, measure))
-    second.compile(compile_tokens(second, measure, compile))
-    second.dense_prefill_rows = dense_prefill_rows(second, measure)
+    _measured_choices(second, measure, compile)
     return second
+
+
+def _measured_choices(model, measure: bool, compile: str) -> torch.dtype:
+    """Apply this machine's cached (or, with ``measure``, measured) choices for ``model``: its attention dtype,
+    compiled sizes and dense-prefill rule; returns the attention dtype."""
+    from adaptree.models.llama import set_attention_dtype
+
+    attn = attention_dtype(model, measure)
+    set_attention_dtype(model, attn)
+    model.compile(compile_tokens(model, measure, compile))
+    model.dense_prefill_rows = dense_prefill_rows(model, measure)
+    return attn
