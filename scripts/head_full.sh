@@ -36,11 +36,13 @@ DTYPE=${DTYPE:-bfloat16}
 INIT=${INIT:-}                 # a head folder to start from (warm start), or empty: a fresh head
 MODEL=${MODEL:-}               # the target (a registered name); empty: the default SmolLM2-135M-Instruct
 INTERMEDIATE=${INTERMEDIATE:-} # the head's MLP width; empty: the target's
+MAX_STEPS=${MAX_STEPS:-}       # a cap on optimizer steps (the schedule is fitted to it); empty: EPOCHS decides
 extra=()
 if [ -n "$MODEL" ]; then extra+=(--model "$MODEL"); fi
 if [ -n "$INTERMEDIATE" ]; then extra+=(--head-intermediate "$INTERMEDIATE"); fi
 if [ -e "$OUT/ckpt" ] || [ -e "$OUT/ckpt.old" ]; then extra+=(--resume); fi
 if [ -n "$INIT" ]; then extra+=(--init-head "$INIT"); fi
+if [ -n "$MAX_STEPS" ]; then extra+=(--max-steps "$MAX_STEPS"); fi
 adaptree train-head --out "$OUT" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online \
   --ckpt-dtype bfloat16 --epochs "$EPOCHS" --lr "$LR" --ttt-steps "$TTT" --draft-vocab "$VOCAB" --max-len 1024 \
   --batch-tokens 4096 --val-every 200 --ckpt-every 25 --seed "$SEED" --threads "$THREADS" --select "$SELECT" \

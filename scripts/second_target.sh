@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # Everything adaptree ships and measures for the second target, Qwen2.5-Coder-0.5B-Instruct, after its head run
-# (OUT=training/qwen2.5-coder-0.5b-head MODEL=qwen2.5-coder-0.5b INTERMEDIATE=2432
-#  CORPORA=corpora/qwen2.5-coder-0.5b-greedy CHUNKS=6 EPOCHS=2 SELECT=chain_tau bash scripts/head_full.sh),
+# (first pass: OUT=training/qwen2.5-coder-0.5b-head MODEL=qwen2.5-coder-0.5b INTERMEDIATE=2432
+#  CORPORA=corpora/qwen2.5-coder-0.5b-greedy CHUNKS=6 EPOCHS=2 SELECT=chain_tau bash scripts/head_full.sh;
+#  second pass, from the first's shipped head: OUT=training/qwen2.5-coder-0.5b-head-ep2 MODEL=qwen2.5-coder-0.5b
+#  INIT=src/adaptree/heads/qwen2.5-coder-0.5b CORPORA=corpora/qwen2.5-coder-0.5b-greedy CHUNKS=8 EPOCHS=2
+#  MAX_STEPS=400 LR=1e-3 SEED=1 SELECT=chain_tau bash scripts/head_full.sh; then this script with
+#  RUN=training/qwen2.5-coder-0.5b-head-ep2),
 # in order; rerun from a step with the second argument. Needs `bash scripts/setup.sh --qwen-0.5b --qwen-1.5b`.
 #
-#   bash scripts/second_target.sh [RUNS_DIR] [FIRST_STEP]    # default runs/qwen05, step 1
+#   bash scripts/second_target.sh [RUNS_DIR] [FIRST_STEP] [LAST_STEP]    # default runs/qwen05, steps 1-8
 #
 # Steps 4-7 take wall-clock timings: run them on an otherwise idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${1:-runs/qwen05}
 FROM=${2:-1}
+TO=${3:-8}
 M=qwen2.5-coder-0.5b
 H=src/adaptree/heads/$M
+RUN=${RUN:-training/$M-head}   # the head run step 1 ships (the second pass: RUN=training/$M-head-ep2)
 S=src/adaptree/heads/smollm2-135m
 mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
-from() { [ "$1" -ge "$FROM" ]; }
+from() { [ "$1" -ge "$FROM" ] && [ "$1" -le "$TO" ]; }
 if from 1; then
   step "1. ship the head as int8 rows; the shipped copy's held-out acceptance (validated before a 1-step run)"
-  SRC=training/$M-head/head   # a finished run's export; a run stopped early ships its best validation's weights
-  [ -d "$SRC" ] || SRC=training/$M-head/best
+  SRC=$RUN/head   # a finished run's export; a run stopped early ships its best validation's weights
+  [ -d "$SRC" ] || SRC=$RUN/best
   python3 scripts/ship_head.py "$SRC" --model "$M" --out "$H" --storage int8
   rm -rf "$R/heldout-int8"
   adaptree train-head --out "$R/heldout-int8" --model "$M" --corpus "corpora/$M-greedy" --corpus-chunks 1 \

@@ -233,7 +233,8 @@ def main() -> None:
         members = [m for m in members if m.name in want]
     family = Path(args.family).resolve()
     family = family.relative_to(Path.cwd()) if family.is_relative_to(Path.cwd()) else family  # no machine paths
-    meta = {**({"model": args.model} if args.model else {}), "traces": args.traces, "train_traces": args.train_traces, "family": str(family),
+    meta = {**({"model": args.model} if args.model else {}), "traces": args.traces,
+            "train_traces": args.train_traces, "family": str(family),
             "prompts": [t.key for t in traces], "policies": policies, "chains": CHAINS}
     done: dict[str, dict] = {}
     if out.with_suffix(".json").is_file():

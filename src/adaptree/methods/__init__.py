@@ -48,7 +48,8 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "SVIPController", "GammatuneConfig", "GammatuneController", "StaticGSConfig", "StaticGSController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
-           "NgramController", "DraftModelConfig", "DraftModelController", "HybridConfig", "HybridController", "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
+           "NgramController", "DraftModelConfig", "DraftModelController", "HybridConfig", "HybridController",
+           "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories", "HEAD_DEFAULTS"]
 
 
@@ -110,7 +111,8 @@ def transferred_from(head_folder: Path) -> dict[str, Path]:
     out = {}
     for asset, head in entries.items():
         folder = HEADS_DIR / str(head)
-        if "/" in str(head) or not (folder / "config.json").is_file() or folder.resolve() == Path(head_folder).resolve():
+        own = folder.resolve() == Path(head_folder).resolve()
+        if "/" in str(head) or not (folder / "config.json").is_file() or own:
             raise ValueError(f"{f}: {asset!r} names {head!r}, which is not another head adaptree ships")
         out[asset] = folder
     return out
