@@ -34,37 +34,14 @@ if from 1; then
     --features online --init-head "$H" --max-steps 1 --ttt-steps 3 --val-steps 8 --select last --threads 2
 fi
 if from 2; then
-  step "2. traces (24 training prompts, 16 evaluation prompts); Re-SpS and LTD retrained over the latency family"
+  step "2. traces (24 training prompts, 16 evaluation prompts); Re-SpS and LTD retrained over the latency family
+  (scripts/retrain_family.sh with smaller counts: a third of its PPO steps, side by side, no RADAR)"
   F=$R/family
-  python3 - "$F" "$M" <<'PY'
-import sys
-import adaptree
-from adaptree.data.prompts import humaneval, mt_bench
-from adaptree.offline.recording import TrainingPrompts, record_prompts
-F, M = sys.argv[1:3]
-p = adaptree.load(M, dtype="bfloat16", weights="float", compile="off", adapt=False, threads=2)
-record_prompts(p, f"{F}/train-traces", TrainingPrompts(train_code=12, train_chat=12).prompts(), widths=(10,),
-               max_depth=12, max_new_tokens=192, feature_dtype="float16")
-record_prompts(p, f"{F}/eval-traces", mt_bench()[:8] + humaneval()[:8], widths=(10,), max_depth=12,
-               max_new_tokens=128, feature_dtype="float16")
-PY
-  MAIN=src/adaptree/offline/machines/syn-s0.3-g0.03-d0.1-o0.005.json
-  common=(--model "$M" --dtype bfloat16 --weights float --compile off --traces "$F/train-traces" --train-code 12
-          --train-chat 12 --max-new-tokens 192 --latency "$MAIN" --family standard --costs --match --machine-tree
-          --quiet --threads 1)
-  OMP_NUM_THREADS=1 adaptree train resps "${common[@]}" --eval-every 25 --max-entropy --inference-temperature 0 \
-    --steps 10000 --out "$F/resps" &
-  OMP_NUM_THREADS=1 adaptree train ltd "${common[@]}" --depth-partner size --depth-steps 20000 --size-steps 14000 \
-    --iter-steps 10000 --iterations 2 --out "$F/ltd" &
-  wait
-  step "2b. replayed: the retrained policies, and the default model's LTD and RADAR (transfer across models)"
-  for run in "retrained $F/ltd/policy" "smollm2-policies $S/ltd"; do
-    set -- $run
-    OMP_NUM_THREADS=1 python3 scripts/transfer_table.py --model "$M" --traces "$F/eval-traces" \
-      --train-traces "$F/train-traces" --ltd "$2" --resps "$F/resps/policy" --radar "$S/radar" \
-      --out "$F/transfer-$1" &
-  done
-  wait
+  MODEL=$M TRAIN_CODE=12 TRAIN_CHAT=12 EVAL=8 STEPS=1/3 POLICIES="ltd resps" PARALLEL=1 RADAR=$S/radar \
+    TABLE_OUT=$F/transfer-retrained bash scripts/retrain_family.sh "$F"
+  step "2b. replayed with the default model's LTD and RADAR (transfer across models; the retrained: transfer-retrained)"
+  python3 scripts/transfer_table.py --model "$M" --traces "$F/eval-traces" --train-traces "$F/train-traces" \
+    --ltd "$S/ltd" --resps "$F/resps/policy" --radar "$S/radar" --out "$F/transfer-smollm2-policies"
 fi
 if from 3; then
   step "3. ship: Re-SpS retrained; LTD and RADAR transferred (transferred.json), as the replay chose on 2026-11-27"

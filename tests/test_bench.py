@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from adaptree.bench.report import summarize, write_report
+from adaptree.bench.report import HEADER, summarize, table_rows, write_report
 from adaptree.bench.runner import (
     BenchConfig,
     bench_loop,
@@ -78,6 +78,8 @@ def test_bench_records_turns_summary_and_losslessness(tiny_pair, tmp_path):
     assert set(s2) == {"toy", "toy/turn2", "toy/turn3"}  # later turns reported apart; one dataset: no "all"
     assert s2["toy/turn2"]["ar"]["runs"] == sum(r["turn"] == 1 and r["method"] == "ar" for r in rows) > 0
     assert s["static"]["mean_chain"] == 0 and s["static"]["chain_accepted_per_cycle"] == 0
+    table = {r[1]: dict(zip(HEADER, r)) for r in table_rows(summarize(rows, cfg)) if r[0] == "toy"}
+    assert table["static"]["depth"] == "3.0" and table["static"]["chain"] == "0.0"
 
 
 def test_bench_rotates_the_arm_order_per_prompt(tiny_pair, tmp_path):

@@ -139,13 +139,17 @@ def table_rows(summary: dict) -> list[list[str]]:
             vs = e.get("vs_reference")
             rows.append([ds, m, _fmt(e.get("speedup_total_time"), ".2f") + "x", _ci(e),
                          _fmt(e["tokens_per_s"], ".1f"), _fmt(e["tau"]), _fmt(e["mean_depth"], ".1f"),
-                         _fmt(e["mean_v"], ".1f"), _fmt(e["policy_overhead_pct"], ".1f"),
+                         _fmt(e["mean_v"], ".1f"), _fmt(e.get("mean_chain"), ".1f"),
+                         _fmt(e["policy_overhead_pct"], ".1f"),
                          _fmt(e.get("differs_from_ar"), "d"),
                          _fmt(vs["wilcoxon_tokens_per_s"]["p_value"], ".3g") if vs else "-"])
     return rows
 
 
-HEADER = ["dataset", "method", "speedup", "95% CI", "tok/s", "tau", "depth", "V", "policy%", "≠AR", "p vs ref"]
+# depth and V: the head's tree per cycle; chain: the tokens an n-gram or draft model proposed per cycle (chain-only
+# methods draft nothing with the head, so their depth and V are 0)
+HEADER = ["dataset", "method", "speedup", "95% CI", "tok/s", "tau", "depth", "V", "chain", "policy%", "≠AR",
+          "p vs ref"]
 
 
 def _temperature(summary: dict):
