@@ -40,8 +40,8 @@ run() { if [ "$PARALLEL" = 1 ]; then OMP_NUM_THREADS=1 "$@" & pids+=($!); else "
 # the policies train on exactly the recorded prompts (other counts would record more traces into the folder)
 prompts=(--train-code "$TRAIN_CODE" --train-chat "$TRAIN_CHAT" --max-new-tokens 192)
 
-step "1. greedy traces: $TRAIN_CODE+$TRAIN_CHAT training prompts (192 tokens) and $EVAL+$EVAL evaluation prompts (128)," \
-  "target features kept"
+step "1. greedy traces: $TRAIN_CODE+$TRAIN_CHAT training prompts (192 tokens) and $EVAL+$EVAL evaluation" \
+  "prompts (128), target features kept"
 python3 - "$R" "$MODEL" "$TRAIN_CODE" "$TRAIN_CHAT" "$EVAL" <<'PY'
 import sys
 import adaptree
@@ -68,7 +68,8 @@ if has resps; then
   step "3. Re-SpS over the family: relative (depth offset, V factor) actions, max-entropy PPO, argmax at inference"
   run adaptree train resps --model "$MODEL" --dtype bfloat16 --weights float --compile off \
     --traces "$R/train-traces" "${prompts[@]}" --latency "$MAIN" --family standard --costs --match --machine-tree \
-    --eval-every 25 --max-entropy --inference-temperature 0 --steps "$(steps 30000)" --out "$R/resps" --quiet "${threads[@]}"
+    --eval-every 25 --max-entropy --inference-temperature 0 --steps "$(steps 30000)" --out "$R/resps" --quiet \
+    "${threads[@]}"
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done   # the side-by-side trainings; a failed one stops the script
 
