@@ -34,9 +34,8 @@ mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
 # side by side: each training gets one thread; one after another: the process default
-threads=(); [ "$PARALLEL" = 1 ] && threads=(--threads 1)
 pids=()
-run() { if [ "$PARALLEL" = 1 ]; then OMP_NUM_THREADS=1 "$@" & pids+=($!); else "$@"; fi; }
+run() { if [ "$PARALLEL" = 1 ]; then OMP_NUM_THREADS=1 "$@" --threads 1 & pids+=($!); else "$@"; fi; }
 # the policies train on exactly the recorded prompts (other counts would record more traces into the folder)
 prompts=(--train-code "$TRAIN_CODE" --train-chat "$TRAIN_CHAT" --max-new-tokens 192)
 
@@ -61,15 +60,14 @@ if has ltd; then
   run adaptree train ltd --model "$MODEL" --dtype bfloat16 --weights float --compile off --traces "$R/train-traces" \
     "${prompts[@]}" --latency "$MAIN" --family standard --costs --match --machine-tree --depth-partner size \
     --depth-steps "$(steps 60000)" --size-steps "$(steps 40000)" --iter-steps "$(steps 30000)" --iterations 2 \
-    --out "$R/ltd" --quiet "${threads[@]}"
+    --out "$R/ltd" --quiet
 fi
 
 if has resps; then
   step "3. Re-SpS over the family: relative (depth offset, V factor) actions, max-entropy PPO, argmax at inference"
   run adaptree train resps --model "$MODEL" --dtype bfloat16 --weights float --compile off \
     --traces "$R/train-traces" "${prompts[@]}" --latency "$MAIN" --family standard --costs --match --machine-tree \
-    --eval-every 25 --max-entropy --inference-temperature 0 --steps "$(steps 30000)" --out "$R/resps" --quiet \
-    "${threads[@]}"
+    --eval-every 25 --max-entropy --inference-temperature 0 --steps "$(steps 30000)" --out "$R/resps" --quiet
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done   # the side-by-side trainings; a failed one stops the script
 
