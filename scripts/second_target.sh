@@ -5,8 +5,9 @@
 #  second pass, from the first's shipped head: OUT=training/qwen2.5-coder-0.5b-head-ep2 MODEL=qwen2.5-coder-0.5b
 #  INIT=src/adaptree/heads/qwen2.5-coder-0.5b CORPORA=corpora/qwen2.5-coder-0.5b-greedy CHUNKS=8 EPOCHS=2
 #  MAX_STEPS=400 LR=1e-3 SEED=1 SELECT=chain_tau bash scripts/head_full.sh; third pass, the same from the second's
-#  with OUT=training/qwen2.5-coder-0.5b-head-ep3 CHUNKS=10 MAX_STEPS=360 SEED=2; then this script with
-#  RUN=training/qwen2.5-coder-0.5b-head-ep3),
+#  with OUT=training/qwen2.5-coder-0.5b-head-ep3 CHUNKS=10 MAX_STEPS=360 SEED=2; fourth pass, the same from the
+#  third's with OUT=training/qwen2.5-coder-0.5b-head-ep4 CHUNKS=17 MAX_STEPS=330 SEED=3; then this script with
+#  RUN=training/qwen2.5-coder-0.5b-head-ep4),
 # in order; rerun from a step with the second argument. Needs `bash scripts/setup.sh --qwen-0.5b --qwen-1.5b`.
 #
 #   bash scripts/second_target.sh [RUNS_DIR] [FIRST_STEP] [LAST_STEP]    # default runs/qwen05, steps 1-8
@@ -19,7 +20,7 @@ FROM=${2:-1}
 TO=${3:-8}
 M=qwen2.5-coder-0.5b
 H=src/adaptree/heads/$M
-RUN=${RUN:-training/$M-head}   # the head run step 1 ships (the third pass: RUN=training/$M-head-ep3)
+RUN=${RUN:-training/$M-head}   # the head run step 1 ships (the fourth pass: RUN=training/$M-head-ep4)
 S=src/adaptree/heads/smollm2-135m
 mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE
