@@ -194,3 +194,18 @@ def test_acceptance_by_position_counts():
     assert a["at_least"] == [0.8, 0.6, 0.2]
     # position 3 is reachable in cycles with accepted >= 2 and depth >= 3: the 3rd and 5th; one accepted it.
     assert a["conditional"][2] == 0.5 and a["conditional"][0] == 0.8
+
+
+def test_decode_speedup_leaves_each_runs_prefill_out(tiny_pair, tmp_path):
+    """An arm that stops early carries its whole prefill over few tokens: its throughput ratio falls below AR's
+    although it decodes twice as fast; the decode column shows the latter."""
+    cfg, *_ = _setup(tiny_pair, tmp_path)
+    common = {"dataset": "toy", "prompt_id": "0", "turn": 0, "repeat": 0, "cycles": 1, "accepted_plus_one": 1,
+              "depth_sum": 0, "size_sum": 0, "ids_sha1": "x"}
+    rows = [{**common, "method": "ar", "new_tokens": 100, "wall_s": 12.0, "prefill_s": 2.0},     # decodes 10 tok/s
+            {**common, "method": "static", "new_tokens": 20, "wall_s": 3.0, "prefill_s": 2.0}]  # decodes 20 tok/s
+    e = summarize(rows, cfg)["results"]["toy"]["static"]
+    assert e["speedup_total_time"] == pytest.approx((20 / 3) / (100 / 12))  # 0.8x
+    assert e["speedup_decode"] == pytest.approx(2.0)
+    table = {r[1]: dict(zip(HEADER, r)) for r in table_rows(summarize(rows, cfg))}
+    assert table["static"]["speedup"] == "0.80x" and table["static"]["decode"] == "2.00x"

@@ -8,6 +8,9 @@ Metric definitions (docs/benchmarking.md has the long form):
   of total times (the key keeps that name: ``speedup_total_time``); with sampling the arms' outputs differ
   in length and only the throughput ratio compares like with like. Speedup (mean per prompt) = mean of
   the per-run throughput ratios.
+- decode speedup = the same ratio with each run's prefill left out: (Σ tokens / Σ (wall - prefill)) over AR's.
+  Where arms stop at different lengths (bfloat16 near-ties, sampling), a short answer carries its whole prefill
+  over few tokens, so ``speedup`` mixes how long the answers were with how fast they decoded; this one does not.
 - tau = (accepted draft tokens + 1 bonus) summed over cycles / cycles.
 - tokens/s = generated tokens / wall time (prefill included), tokens counted as token ids.
 - draft forwards per cycle = mean tree depth (one draft forward per level).
@@ -78,6 +81,9 @@ def _entry(rs: list[dict], ar: dict, ref: dict | None, ref_name: str | None, gre
         e["speedup_mean_per_prompt"] = statistics.fmean(per)
         e["speedup_mean_per_prompt_ci95"] = bootstrap_mean_ci(per)
         e["speedup_median_per_prompt"] = statistics.median(per)
+        # the decode phase alone (prefill seconds out of both arms' times)
+        m_d, a_d = ([x["wall_s"] - (x.get("prefill_s") or 0.0) for x in arm] for arm in zip(*pairs))
+        e["speedup_decode"] = throughput_ratio(m_n, m_d, a_n, a_d)
         e["differs_from_ar"] = sum(r["ids_sha1"] != a["ids_sha1"] for r, a in pairs) if greedy else None
         e["same_tokens_as_ar"] = all(r["new_tokens"] == a["new_tokens"] for r, a in pairs)
     if ref is not None and ref_name is not None:
@@ -138,6 +144,7 @@ def table_rows(summary: dict) -> list[list[str]]:
         for m, e in methods.items():
             vs = e.get("vs_reference")
             rows.append([ds, m, _fmt(e.get("speedup_total_time"), ".2f") + "x", _ci(e),
+                         _fmt(e.get("speedup_decode"), ".2f") + "x",
                          _fmt(e["tokens_per_s"], ".1f"), _fmt(e["tau"]), _fmt(e["mean_depth"], ".1f"),
                          _fmt(e["mean_v"], ".1f"), _fmt(e.get("mean_chain"), ".1f"),
                          _fmt(e["policy_overhead_pct"], ".1f"),
@@ -148,7 +155,7 @@ def table_rows(summary: dict) -> list[list[str]]:
 
 # depth and V: the head's tree per cycle; chain: the tokens an n-gram or draft model proposed per cycle (chain-only
 # methods draft nothing with the head, so their depth and V are 0)
-HEADER = ["dataset", "method", "speedup", "95% CI", "tok/s", "tau", "depth", "V", "chain", "policy%", "≠AR",
+HEADER = ["dataset", "method", "speedup", "95% CI", "decode", "tok/s", "tau", "depth", "V", "chain", "policy%", "≠AR",
           "p vs ref"]
 
 
@@ -222,6 +229,8 @@ def write_report(summary: dict, out: Path) -> None:
     lines += ["| " + " | ".join(r) + " |" for r in table_rows(summary)]
     lines += ["", "speedup: the method's tokens/s over AR's, each summed over the same runs (= AR wall time / method wall "
               "time when both generated the same tokens, as in greedy float32; 95% bootstrap CI over runs); "
+              "decode: the same ratio with every run's prefill seconds left out (arms that stop at different "
+              "lengths carry their prefills over different token counts); "
               "tau: mean accepted draft tokens + 1 per cycle; depth: mean draft forwards per cycle; V: mean "
               "verified draft nodes per cycle; policy%: controller time / wall time; ≠AR: runs whose token ids "
               f"differ from AR's (greedy only); p vs ref: paired Wilcoxon signed-rank test of per-run tokens/s "
