@@ -82,7 +82,8 @@ def _entry(rs: list[dict], ar: dict, ref: dict | None, ref_name: str | None, gre
         e["speedup_mean_per_prompt_ci95"] = bootstrap_mean_ci(per)
         e["speedup_median_per_prompt"] = statistics.median(per)
         # the decode phase alone (prefill seconds out of both arms' times)
-        m_d, a_d = ([x["wall_s"] - (x.get("prefill_s") or 0.0) for x in arm] for arm in zip(*pairs))
+        a_d = [at - (a.get("prefill_s") or 0.0) for at, (_, a) in zip(a_t, pairs)]
+        m_d = [mt - (r.get("prefill_s") or 0.0) for mt, (r, _) in zip(m_t, pairs)]
         e["speedup_decode"] = throughput_ratio(m_n, m_d, a_n, a_d)
         e["differs_from_ar"] = sum(r["ids_sha1"] != a["ids_sha1"] for r, a in pairs) if greedy else None
         e["same_tokens_as_ar"] = all(r["new_tokens"] == a["new_tokens"] for r, a in pairs)
@@ -173,7 +174,8 @@ def print_table(summary: dict) -> None:
     s = summary.get("settings", {})
     print(f"model {s.get('model')}, dtype {s.get('dtype')}, weights {s.get('weights', 'float')}, attention {s.get('attention', s.get('dtype'))}, threads {s.get('threads')}, "
           f"{'greedy' if summary['greedy'] else 'T=' + str(_temperature(summary))}; "
-          f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
+          f"speedup = method tok/s / AR tok/s over the same runs (= AR time / method time for equal tokens); decode: the same "
+          f"without prefill; p: Wilcoxon of per-run tok/s vs {summary.get('reference')}")
     if summary.get("skipped"):
         print(f"{len(summary['skipped'])} runs skipped (see summary.json 'skipped')")
     for m, why in (summary.get("dropped_arms") or {}).items():
