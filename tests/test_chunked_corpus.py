@@ -198,3 +198,62 @@ def test_corpus_cli_info_and_errors(tmp_path, capsys):
     assert info["settings"]["chunk_prompts"] == 4 and info["totals"]["train"]["chunks"] == 1
     assert cli.main(["corpus", "info", str(tmp_path / "missing")]) != 0
     assert cli.main(["corpus", "grow", "--out", str(tmp_path / "c"), "--chunks", "-1"]) != 0
+
+
+def test_a_chunk_made_in_another_dtype_records_it_and_never_shares_a_chunk(tmp_path):
+    """A bfloat16 corpus continued in float32 (a CPU where bfloat16 is emulated): one fingerprint for the same
+    weights, the new chunks' dtype in the manifest, and an interrupted run's answers never finished in another."""
+    from adaptree.head_training import chunked
+
+    target, prompts, items = _setup()
+    f32 = tiny_target(vocab=32, seed=4)
+    bf16 = tiny_target(vocab=32, seed=4).to(torch.bfloat16)  # the same weights, rounded
+    assert target_fingerprint(f32, "tiny", torch.bfloat16) == target_fingerprint(bf16, "tiny")
+    assert target_fingerprint(f32, "tiny") != target_fingerprint(bf16, "tiny")
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=4, val_prompts=2,
+                       gen_batch_size=3, target_dtype="bfloat16")
+
+    def grow(model, chunks, dtype=None, **kw):
+        return ChunkedCorpus(tmp_path).grow(s, chunks, model, None, dtype=dtype, items=items,
+                                            fingerprint=target_fingerprint(model, "tiny", torch.bfloat16),
+                                            prompt_ids_fn=lambda it: prompts[it.id], **kw)
+
+    grow(bf16, 1)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        grow(f32, 2, "float64")
+    real = chunked.build_corpus
+
+    def dies_after_one_part(*a, **kw):
+        real(*a, **{**kw, "limit": 3})
+        raise KeyboardInterrupt
+
+    chunked.build_corpus = dies_after_one_part
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            grow(f32, 2, "float32")
+    finally:
+        chunked.build_corpus = real
+    with pytest.raises(ValueError, match="answers of an interrupted run in float32"):
+        grow(bf16, 2)  # the corpus's own dtype may not finish float32 answers
+    totals = grow(f32, 2, "float32")
+    corpus = ChunkedCorpus(tmp_path)
+    assert [corpus.chunk_dtype(c) for c in corpus.chunks()] == ["bfloat16", "bfloat16", "float32"]
+    assert "target_dtype" not in corpus.chunks("train")[0] and corpus.chunks("train")[1]["target_dtype"] == "float32"
+    assert totals["train"]["dtypes"] == {"bfloat16": 1, "float32": 1} and totals["val"]["dtypes"] == {"bfloat16": 1}
+    eng = Engine(f32)
+    for x in corpus.read("train")[4:]:  # the float32 chunk: the float32 target's greedy answers
+        p = prompts[x.id]
+        assert x.input_ids == p + eng.generate(p, make_controller("ar"), max_new_tokens=6).token_ids
+    with pytest.raises(ValueError, match="another target"):  # other weights are refused in any dtype
+        grow(tiny_target(vocab=32, seed=5), 3, "float32")
+
+
+def test_corpus_grow_warns_where_its_dtype_is_emulated(monkeypatch):
+    from adaptree.adapt import execution
+    from adaptree.cli.head import emulated_dtype_warning
+
+    monkeypatch.setattr(execution, "fallback_dtype", lambda device="cpu": "float32")  # no native bfloat16
+    assert "--chunk-dtype float32" in emulated_dtype_warning("bfloat16", "cpu")
+    assert emulated_dtype_warning("float32", "cpu") is None
+    monkeypatch.setattr(execution, "fallback_dtype", lambda device="cpu": "bfloat16")  # AMX, AVX-512 BF16, a GPU
+    assert emulated_dtype_warning("bfloat16", "cpu") is None

@@ -4,6 +4,7 @@ self-distilled corpora it trains on."""
 from __future__ import annotations
 
 import json
+import sys
 
 from adaptree.cli.common import ConfigFlags, command_line
 
@@ -22,6 +23,8 @@ def _corpus_flags() -> ConfigFlags:
 
 
 def register(sub) -> None:
+    from adaptree.head_training.chunked import TARGET_DTYPES
+
     t = sub.add_parser("train-head", help="train an EAGLE-3 draft head for a target (self-distillation or ShareGPT)")
     _flags().add(t)
     t.set_defaults(func=cmd_train_head)
@@ -33,6 +36,10 @@ def register(sub) -> None:
     g.add_argument("--chunks", type=int, required=True, help="training chunks wanted in all (0: the held-out one)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--device", default="cpu", help="where the target runs: cpu (default) or cuda")
+    g.add_argument("--chunk-dtype", choices=TARGET_DTYPES, default=None,
+                   help="generate this run's chunks in this dtype instead of the corpus's --dtype, each chunk "
+                        "recording it (float32 on a CPU without native bfloat16, where bfloat16 is emulated and "
+                        "several times slower; docs/head-training.md, 'Growing a corpus')")
     _corpus_flags().add(g)
     g.set_defaults(func=cmd_corpus_grow)
     i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified)")
@@ -54,6 +61,17 @@ def cmd_train_head(args) -> int:
     return 0
 
 
+def emulated_dtype_warning(dtype: str, device: str) -> str | None:
+    """What to say when a corpus would be generated in a dtype this CPU only emulates (None: nothing)."""
+    from adaptree.adapt.execution import fallback_dtype
+
+    if dtype == "float32" or fallback_dtype(device) != "float32":
+        return None
+    return (f"warning: {dtype} is emulated on this CPU (no AVX-512 BF16 or AMX kernels that PyTorch may use), so "
+            f"generating in it runs several times slower than in float32; --chunk-dtype float32 makes this run's "
+            f"chunks in float32")
+
+
 def cmd_corpus_grow(args) -> int:
     import torch
 
@@ -70,11 +88,15 @@ def cmd_corpus_grow(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
+    dtype = args.chunk_dtype or settings.target_dtype
+    warning = emulated_dtype_warning(dtype, args.device)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     model = None if settings.model == "default" else settings.model
-    target, tok = load_model(model, dtype=DTYPES[settings.target_dtype])
+    target, tok = load_model(model, dtype=DTYPES[dtype])
     target = target.to(args.device).eval()
-    totals = corpus.grow(settings, args.chunks, target, tok,
-                         fingerprint=target_fingerprint(target, settings.model),
+    totals = corpus.grow(settings, args.chunks, target, tok, dtype=dtype,
+                         fingerprint=target_fingerprint(target, settings.model, DTYPES[settings.target_dtype]),
                          progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))
     print(json.dumps(totals, indent=1))
     return 0

@@ -10,7 +10,8 @@ Layout of ``<folder>``:
 - ``manifest.json``: the format version, the :class:`CorpusSettings` (fixed when the corpus is created; a
   run with other settings is refused, naming them), the target's fingerprint, and one entry per chunk:
   file name, split, the range of prompts it answers, sequence and token counts, generation seconds, the
-  machine that made it, and the SHA-256 of its file (checked on every read).
+  machine that made it, its ``target_dtype`` where it is not the corpus's (below), and the SHA-256 of its
+  file (checked on every read).
 - ``val-00000.npz``: the answers to ``val_prompts`` prompts of the ShareGPT ``validation`` split.
 - ``train-NNNNN.npz``: chunk ``i`` answers prompts ``[i * chunk_prompts, (i + 1) * chunk_prompts)`` of the
   ``train`` split, in the fixed shuffled order of :func:`~adaptree.head_training.corpus.sharegpt_items`
@@ -27,6 +28,12 @@ target's weights, up to rounding: a batch in bfloat16 can take another greedy to
 rows differ (where a run started or was interrupted decides which prompts share a batch) or on another CPU,
 so a chunk regenerated may differ in a few places; sampled answers also depend on those batches. The
 manifest records which machine made each chunk.
+
+A chunk may be generated in another dtype than the corpus's (``corpus grow --chunk-dtype float32``): on a CPU
+without native bfloat16 (no AVX-512 BF16, no AMX), bfloat16 matmuls are emulated and several times slower than
+float32 ones, so such a machine continues a bfloat16 corpus in float32. The weights are the same (the
+fingerprint checksums them rounded to the corpus's dtype), the answers are the same greedy policy up to the
+rounding above, and the chunk's manifest entry records its ``target_dtype``.
 """
 
 from __future__ import annotations
@@ -182,14 +189,21 @@ class ChunkedCorpus:
     def chunks(self, split: str | None = None) -> list[dict]:
         return [c for c in self.manifest.get("chunks", []) if split is None or c["split"] == split]
 
+    def chunk_dtype(self, chunk: dict) -> str:
+        """The dtype the target generated ``chunk`` in (the corpus's, unless the chunk records its own)."""
+        return chunk.get("target_dtype") or self.manifest["settings"].get("target_dtype", "bfloat16")
+
     def totals(self) -> dict:
+        """Per split: chunks, sequences, tokens, response tokens, generation seconds, and chunks per dtype."""
         out: dict[str, dict] = {}
         for c in self.chunks():
             t = out.setdefault(c["split"], {"chunks": 0, "sequences": 0, "tokens": 0, "response_tokens": 0,
-                                            "generation_seconds": 0.0})
+                                            "generation_seconds": 0.0, "dtypes": {}})
             for k in ("sequences", "tokens", "response_tokens", "generation_seconds"):
                 t[k] += c[k]
             t["chunks"] += 1
+            d = self.chunk_dtype(c)
+            t["dtypes"][d] = t["dtypes"].get(d, 0) + 1
         return out
 
     def read(self, split: str | None = None, max_chunks: int | None = None) -> list[TokenSequence]:
@@ -233,14 +247,23 @@ class ChunkedCorpus:
 
     def grow(self, settings: CorpusSettings, chunks: int, target, tok, *, fingerprint: dict,
              items: tuple[list[ConversationItem], list[ConversationItem]] | None = None,
-             prompt_ids_fn=None, progress=None) -> dict:
+             prompt_ids_fn=None, progress=None, dtype: str | None = None) -> dict:
         """Generate the held-out chunk (if missing) and training chunks until there are ``chunks``; returns
         :meth:`totals`. ``items``: (train, validation) conversations instead of ShareGPT's (tests).
-        ``progress(done, wanted)`` is called after each chunk."""
+        ``progress(done, wanted)`` is called after each chunk.
+
+        ``dtype``: the dtype ``target`` generates in, where it is not the corpus's ``target_dtype`` (a machine
+        on which that dtype is emulated, such as bfloat16 on a CPU without AVX-512 BF16 or AMX); each chunk
+        made so records it as its own ``target_dtype``. ``fingerprint`` must then checksum the weights rounded
+        to the corpus's dtype (:func:`~adaptree.head_training.features.target_fingerprint`), so that only the
+        same weights continue a corpus."""
         from adaptree.core.machine import machine_profile
 
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
             raise ValueError(f"chunks must be a non-negative integer, got {chunks!r}")
+        if dtype is not None and dtype not in TARGET_DTYPES:
+            raise ValueError(f"dtype must be one of {TARGET_DTYPES}, got {dtype!r}")
+        own = None if dtype in (None, settings.target_dtype) else dtype  # recorded with each chunk it makes
         self._check_settings(settings, fingerprint)
         if not self.manifest:
             self.manifest = {"format": FORMAT_VERSION, "settings": asdict(settings), "target": fingerprint,
@@ -267,6 +290,14 @@ class ChunkedCorpus:
         # all its prompts are answered. The finished answers wait in ``.work/`` (whole parts), which a rerun
         # reads back.
         work = self.folder / ".work"
+        made_in = dtype or settings.target_dtype
+        # answers of two dtypes never share a chunk: a chunk records one
+        left = json.loads((work / "dtype.json").read_text())["dtype"] if (work / "dtype.json").is_file() else None
+        if left is not None and left != made_in and any(work.glob("*/part-*.jsonl")):
+            raise ValueError(f"{work} holds answers of an interrupted run in {left}, this run generates in {made_in}: "
+                             f"finish them in {left}, or delete {work} to start the unfinished chunks again")
+        work.mkdir(parents=True, exist_ok=True)
+        _write_atomic(work / "dtype.json", json.dumps({"dtype": made_in}) + "\n")
         finished = {x.id: x for d in sorted(work.glob("*")) if d.is_dir() for x in read_corpus(d)}
         stream = work / "stream"
 
@@ -296,7 +327,7 @@ class ChunkedCorpus:
                     "generation_seconds": round(secs, 2),
                     "generation_tokens_per_s": round(rate, 1),
                     "machine": machine_profile(), "created": time.strftime("%Y-%m-%d"),
-                    "sha256": _sha256(self.folder / name)})
+                    **({"target_dtype": own} if own else {}), "sha256": _sha256(self.folder / name)})
             self.manifest["chunks"].sort(key=lambda c: (c["split"] != "val", c["file"]))
             self._save()
             if progress is not None:

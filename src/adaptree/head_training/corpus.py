@@ -317,7 +317,6 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
             _write_atomic(folder / f"part-{next_part:05d}.jsonl", "".join(x.to_json() + "\n" for x in part))
             _write_atomic(folder / "meta.json", json.dumps(meta, indent=2))
             next_part += 1
-            bar.update(len(part))
             if on_part is not None:
                 on_part(part)
 
@@ -328,6 +327,7 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
                 done.append(TokenSequence(it.id, ids, mask, it.split))
             else:
                 done.append(TokenSequence(it.id, [], [], it.split))  # nothing to learn; marks the item done
+            bar.update(1)
             flush()
     else:
         queue = []  # (item, prompt ids, token limit)
@@ -336,6 +336,7 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
             if len(p) > max_prompt:
                 meta["skipped_long_prompts"] += 1
                 done.append(TokenSequence(it.id, [], [], it.split))  # marks the item done
+                bar.update(1)
                 continue
             queue.append((it, list(p), min(max_new_tokens, max_len - len(p))))
         # similar lengths are prefilled together (less padding); a caller's groups in order
@@ -353,6 +354,7 @@ def build_corpus(folder: str | os.PathLike, target, tok, items: Sequence[Convers
             t_last = now
             bar.set_postfix(gen_tok_s=f"{meta['generated_tokens'] / max(meta['generation_seconds'], 1e-9):.0f}",
                             refresh=False)
+            bar.update(1)  # each answer as it finishes (a part is written every part_size of them)
             flush()
 
         if queue:

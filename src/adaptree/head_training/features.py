@@ -42,13 +42,17 @@ _SHARD = re.compile(r"^shard-(\d{5,})$")
 _ARRAYS = ("feats", "hidden", "tokens", "loss_mask", "argmax")
 
 
-def target_fingerprint(target, name: str | None = None) -> dict:
-    """What identifies the target a store was made from (shapes, feature layers, a weight checksum)."""
+def target_fingerprint(target, name: str | None = None, dtype: torch.dtype | None = None) -> dict:
+    """What identifies the target a store was made from (shapes, feature layers, a weight checksum).
+
+    ``dtype``: checksum the weights rounded to this dtype, so a target loaded in float32 and the same file loaded
+    in bfloat16 (whose weights are the float32 ones rounded) have one fingerprint."""
     c = target.config
     h = hashlib.sha1()
     for t in (target.model.norm.weight, target.model.embed_tokens.weight[:256], target.lm_head.weight[-256:],
               target.model.layers[c.feature_layers[1]].mlp.down_proj.weight[:64]):
-        h.update(t.detach().float().cpu().numpy().tobytes())
+        t = t.detach() if dtype is None else t.detach().to(dtype)
+        h.update(t.float().cpu().numpy().tobytes())
     return {"name": name, "arch": c.arch, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
             "num_hidden_layers": c.num_hidden_layers, "feature_layers": list(c.feature_layers),
             "weights_sha1": h.hexdigest()}
