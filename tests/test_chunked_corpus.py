@@ -200,12 +200,12 @@ def test_corpus_cli_info_and_errors(tmp_path, capsys):
     assert cli.main(["corpus", "grow", "--out", str(tmp_path / "c"), "--chunks", "-1"]) != 0
 
 
-def test_a_chunk_made_in_another_dtype_records_it_and_never_shares_a_chunk(tmp_path):
+def test_a_chunk_made_in_another_dtype_records_it_and_never_shares_a_chunk(tmp_path, monkeypatch):
     """A bfloat16 corpus continued in float32 (a CPU where bfloat16 is emulated): one fingerprint for the same
     weights, the new chunks' dtype in the manifest, and an interrupted run's answers never finished in another."""
     from adaptree.head_training import chunked
 
-    target, prompts, items = _setup()
+    _, prompts, items = _setup()
     f32 = tiny_target(vocab=32, seed=4)
     bf16 = tiny_target(vocab=32, seed=4).to(torch.bfloat16)  # the same weights, rounded
     assert target_fingerprint(f32, "tiny", torch.bfloat16) == target_fingerprint(bf16, "tiny")
@@ -227,12 +227,10 @@ def test_a_chunk_made_in_another_dtype_records_it_and_never_shares_a_chunk(tmp_p
         real(*a, **{**kw, "limit": 3})
         raise KeyboardInterrupt
 
-    chunked.build_corpus = dies_after_one_part
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            grow(f32, 2, "float32")
-    finally:
-        chunked.build_corpus = real
+    monkeypatch.setattr(chunked, "build_corpus", dies_after_one_part)
+    with pytest.raises(KeyboardInterrupt):
+        grow(f32, 2, "float32")
+    monkeypatch.setattr(chunked, "build_corpus", real)
     with pytest.raises(ValueError, match="answers of an interrupted run in float32"):
         grow(bf16, 2)  # the corpus's own dtype may not finish float32 answers
     totals = grow(f32, 2, "float32")

@@ -39,7 +39,7 @@ def register(sub) -> None:
     g.add_argument("--chunk-dtype", choices=TARGET_DTYPES, default=None,
                    help="generate this run's chunks in this dtype instead of the corpus's --dtype, each chunk "
                         "recording it (float32 on a CPU without native bfloat16, where bfloat16 is emulated and "
-                        "several times slower; docs/head-training.md, 'Growing a corpus')")
+                        "several times slower; docs/head-training.md, 'Committed corpora')")
     _corpus_flags().add(g)
     g.set_defaults(func=cmd_corpus_grow)
     i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified)")
