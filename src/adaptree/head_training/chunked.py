@@ -191,7 +191,7 @@ class ChunkedCorpus:
 
     def chunk_dtype(self, chunk: dict) -> str:
         """The dtype the target generated ``chunk`` in (the corpus's, unless the chunk records its own)."""
-        return chunk.get("target_dtype") or self.manifest["settings"].get("target_dtype", "bfloat16")
+        return chunk.get("target_dtype") or self.settings.target_dtype
 
     def totals(self) -> dict:
         """Per split: chunks, sequences, tokens, response tokens, generation seconds, and chunks per dtype."""
@@ -263,7 +263,8 @@ class ChunkedCorpus:
             raise ValueError(f"chunks must be a non-negative integer, got {chunks!r}")
         if dtype is not None and dtype not in TARGET_DTYPES:
             raise ValueError(f"dtype must be one of {TARGET_DTYPES}, got {dtype!r}")
-        own = None if dtype in (None, settings.target_dtype) else dtype  # recorded with each chunk it makes
+        made_in = dtype or settings.target_dtype
+        own = None if made_in == settings.target_dtype else made_in  # recorded with each chunk it makes
         self._check_settings(settings, fingerprint)
         if not self.manifest:
             self.manifest = {"format": FORMAT_VERSION, "settings": asdict(settings), "target": fingerprint,
@@ -290,7 +291,6 @@ class ChunkedCorpus:
         # all its prompts are answered. The finished answers wait in ``.work/`` (whole parts), which a rerun
         # reads back.
         work = self.folder / ".work"
-        made_in = dtype or settings.target_dtype
         # answers of two dtypes never share a chunk: a chunk records one
         left = json.loads((work / "dtype.json").read_text())["dtype"] if (work / "dtype.json").is_file() else None
         if left is not None and left != made_in and any(work.glob("*/part-*.jsonl")):
