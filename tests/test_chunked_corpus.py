@@ -104,12 +104,21 @@ def test_an_interrupted_stream_resumes_from_its_parts(tmp_path, monkeypatch):
         _grow(tmp_path, s, 2, target, prompts, items)
     assert len(list((tmp_path / ".work" / "stream").glob("part-*.jsonl"))) == 1
     assert not ChunkedCorpus(tmp_path).chunks("train")
+    left = ChunkedCorpus(tmp_path).pending()
+    assert left["answers"] == 3 and left["dtype"] == "float32" and left["response_tokens"] > 0
+    # the folder as a commit carries it to another machine, .work included: continued there, the same chunks
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    shutil.copytree(tmp_path, elsewhere)
     monkeypatch.setattr(chunked, "build_corpus", real)
     _grow(tmp_path, s, 2, target, prompts, items)
     corpus = ChunkedCorpus(tmp_path)
     assert [x.id for x in corpus.read("train")] == [it.id for it in items[0][:8]]
     assert [c["file"] for c in corpus.chunks()] == ["val-00000.npz", "train-00000.npz", "train-00001.npz"]
     assert sum(c["generation_seconds"] for c in corpus.chunks()) > 0 and not (tmp_path / ".work").exists()
+    assert corpus.pending() is None
+    _grow(elsewhere, s, 2, target, prompts, items)
+    assert ([(x.id, x.input_ids, x.loss_mask) for x in ChunkedCorpus(elsewhere).read()]
+            == [(x.id, x.input_ids, x.loss_mask) for x in corpus.read()])
 
 
 def test_train_head_on_a_committed_corpus(tmp_path):
@@ -196,6 +205,7 @@ def test_corpus_cli_info_and_errors(tmp_path, capsys):
     assert cli.main(["corpus", "info", str(tmp_path / "c")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["settings"]["chunk_prompts"] == 4 and info["totals"]["train"]["chunks"] == 1
+    assert info["pending"] is None
     assert cli.main(["corpus", "info", str(tmp_path / "missing")]) != 0
     assert cli.main(["corpus", "grow", "--out", str(tmp_path / "c"), "--chunks", "-1"]) != 0
 

@@ -42,7 +42,8 @@ def register(sub) -> None:
                         "several times slower; docs/head-training.md, 'Committed corpora')")
     _corpus_flags().add(g)
     g.set_defaults(func=cmd_corpus_grow)
-    i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified)")
+    i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified), and the answers "
+                                            "an interrupted run left for its unfinished chunks")
     i.add_argument("folder")
     i.set_defaults(func=cmd_corpus_info)
 
@@ -95,9 +96,17 @@ def cmd_corpus_grow(args) -> int:
     model = None if settings.model == "default" else settings.model
     target, tok = load_model(model, dtype=DTYPES[dtype])
     target = target.to(args.device).eval()
-    totals = corpus.grow(settings, args.chunks, target, tok, dtype=dtype,
-                         fingerprint=target_fingerprint(target, settings.model, DTYPES[settings.target_dtype]),
-                         progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))
+    try:
+        totals = corpus.grow(settings, args.chunks, target, tok, dtype=dtype,
+                             fingerprint=target_fingerprint(target, settings.model, DTYPES[settings.target_dtype]),
+                             progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))
+    except KeyboardInterrupt:
+        left = corpus.pending()
+        if left:
+            print(f"{left['answers']} answers ({left['response_tokens']} response tokens, {left['dtype']}) of the "
+                  f"unfinished chunks wait in {corpus.work}: rerun to continue; to continue on another machine, "
+                  f"commit them (git add -f {corpus.work})", file=sys.stderr, flush=True)
+        raise
     print(json.dumps(totals, indent=1))
     return 0
 
@@ -110,5 +119,5 @@ def cmd_corpus_info(args) -> int:
         raise FileNotFoundError(f"{args.folder}: no corpus here (manifest.json missing)")
     corpus.read()  # verifies every checksum
     print(json.dumps({"settings": corpus.manifest["settings"], "target": corpus.manifest["target"].get("name"),
-                      "totals": corpus.totals()}, indent=1))
+                      "totals": corpus.totals(), "pending": corpus.pending()}, indent=1))
     return 0

@@ -206,6 +206,28 @@ class ChunkedCorpus:
             t["dtypes"][d] = t["dtypes"].get(d, 0) + 1
         return out
 
+    @property
+    def work(self) -> Path:
+        """Where a run keeps the finished answers of chunks it has not packed yet (whole parts; git-ignored)."""
+        return self.folder / ".work"
+
+    def _work_answers(self) -> dict[str, TokenSequence]:
+        return {x.id: x for d in sorted(self.work.glob("*")) if d.is_dir() for x in read_corpus(d)}
+
+    def _work_dtype(self) -> str | None:
+        path = self.work / "dtype.json"
+        return json.loads(path.read_text())["dtype"] if path.is_file() else None
+
+    def pending(self) -> dict | None:
+        """The answers an interrupted run left in :attr:`work` for chunks it did not finish, or None: how many,
+        their response tokens and dtype. A rerun continues from them, also on another machine when the folder
+        is committed with them (``git add -f <folder>/.work``)."""
+        answers = self._work_answers()
+        if not answers:
+            return None
+        return {"answers": len(answers), "response_tokens": sum(sum(x.loss_mask) for x in answers.values()),
+                "dtype": self._work_dtype()}
+
     def read(self, split: str | None = None, max_chunks: int | None = None) -> list[TokenSequence]:
         """The sequences of the chunks of ``split`` (all splits: None), the first ``max_chunks`` training chunks
         only if given; every file's checksum is verified against the manifest."""
@@ -290,15 +312,15 @@ class ChunkedCorpus:
         # cheaper; a group's last rows decode while the next group's first ones do): a chunk is packed once
         # all its prompts are answered. The finished answers wait in ``.work/`` (whole parts), which a rerun
         # reads back.
-        work = self.folder / ".work"
+        work = self.work
+        finished = self._work_answers()
         # answers of two dtypes never share a chunk: a chunk records one
-        left = json.loads((work / "dtype.json").read_text())["dtype"] if (work / "dtype.json").is_file() else None
-        if left is not None and left != made_in and any(work.glob("*/part-*.jsonl")):
+        left = self._work_dtype()
+        if left is not None and left != made_in and finished:
             raise ValueError(f"{work} holds answers of an interrupted run in {left}, this run generates in {made_in}: "
                              f"finish them in {left}, or delete {work} to start the unfinished chunks again")
         work.mkdir(parents=True, exist_ok=True)
         _write_atomic(work / "dtype.json", json.dumps({"dtype": made_in}) + "\n")
-        finished = {x.id: x for d in sorted(work.glob("*")) if d.is_dir() for x in read_corpus(d)}
         stream = work / "stream"
 
         def pack_ready(new: list[TokenSequence] = ()) -> None:
