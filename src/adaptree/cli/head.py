@@ -102,8 +102,8 @@ def cmd_corpus_grow(args) -> int:
                              progress=lambda done, want: print(f"chunk {done}/{want} written", flush=True))
     except KeyboardInterrupt:
         left = corpus.pending()
-        if left:
-            print(f"{left['answers']} answers ({left['response_tokens']} response tokens, {left['dtype']}) of the "
+        if left:  # "\n": the progress bar's line is left unfinished
+            print(f"\n{left['answers']} answers ({left['response_tokens']} response tokens, {left['dtype']}) of the "
                   f"unfinished chunks wait in {corpus.work}: rerun to continue; to continue on another machine, "
                   f"commit them (git add -f {corpus.work})", file=sys.stderr, flush=True)
         raise
