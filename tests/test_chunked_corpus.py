@@ -13,7 +13,7 @@ from conftest import tiny_target
 
 from adaptree.core.engine import Engine
 from adaptree.head_training.chunked import ChunkedCorpus, CorpusSettings, read_corpora
-from adaptree.head_training.corpus import ConversationItem
+from adaptree.head_training.corpus import ConversationItem, TokenSequence
 from adaptree.head_training.features import target_fingerprint
 from adaptree.methods import make_controller
 
@@ -104,8 +104,8 @@ def test_an_interrupted_stream_resumes_from_its_parts(tmp_path, monkeypatch):
         _grow(tmp_path, s, 2, target, prompts, items)
     assert len(list((tmp_path / ".work" / "stream").glob("part-*.jsonl"))) == 1
     assert not ChunkedCorpus(tmp_path).chunks("train")
-    left = ChunkedCorpus(tmp_path).pending()
-    assert left["answers"] == 3 and left["dtype"] == "float32" and left["response_tokens"] > 0
+    left = ChunkedCorpus(tmp_path).pending()  # the three answers but those of chunks packed (the held-out one)
+    assert left["answers"] == 3 - len(ChunkedCorpus(tmp_path).read()) > 0 and left["dtype"] == "float32"
     # the folder as a commit carries it to another machine, .work included: continued there, the same chunks
     elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
     shutil.copytree(tmp_path, elsewhere)
@@ -119,6 +119,22 @@ def test_an_interrupted_stream_resumes_from_its_parts(tmp_path, monkeypatch):
     _grow(elsewhere, s, 2, target, prompts, items)
     assert ([(x.id, x.input_ids, x.loss_mask) for x in ChunkedCorpus(elsewhere).read()]
             == [(x.id, x.input_ids, x.loss_mask) for x in corpus.read()])
+
+
+def test_pending_counts_only_the_answers_of_unpacked_chunks(tmp_path):
+    target, prompts, items = _setup()
+    s = CorpusSettings(model="tiny", max_len=40, max_new_tokens=6, chunk_prompts=4, val_prompts=2,
+                       gen_batch_size=4, target_dtype="float32")
+    _grow(tmp_path, s, 1, target, prompts, items)
+    corpus = ChunkedCorpus(tmp_path)
+    assert corpus.pending() is None
+    # a run of several chunks stopped after packing one: its answers stay in .work beside the unpacked ones
+    (corpus.work / "stream").mkdir(parents=True)
+    unpacked = TokenSequence("q9", [1, 2, 3, 4], [0, 0, 1, 1], "train")
+    (corpus.work / "stream" / "part-00000.jsonl").write_text(
+        "".join(x.to_json() + "\n" for x in [*corpus.read("train"), unpacked]))
+    (corpus.work / "dtype.json").write_text(json.dumps({"dtype": "float32"}))
+    assert corpus.pending() == {"answers": 1, "response_tokens": 2, "dtype": "float32"}
 
 
 def test_train_head_on_a_committed_corpus(tmp_path):

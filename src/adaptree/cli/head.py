@@ -42,8 +42,8 @@ def register(sub) -> None:
                         "several times slower; docs/head-training.md, 'Committed corpora')")
     _corpus_flags().add(g)
     g.set_defaults(func=cmd_corpus_grow)
-    i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified), and the answers "
-                                            "an interrupted run left for its unfinished chunks")
+    i = csub.add_parser("info", help="a corpus's settings and totals (checksums verified), and the answers an "
+                                     "interrupted run left for its unfinished chunks")
     i.add_argument("folder")
     i.set_defaults(func=cmd_corpus_info)
 

@@ -223,6 +223,11 @@ class ChunkedCorpus:
         their response tokens and dtype. A rerun continues from them, also on another machine when the folder
         is committed with them (``git add -f <folder>/.work``)."""
         answers = self._work_answers()
+        if answers:  # a run of several chunks that packed some before it stopped left their answers there too
+            for c in self.chunks():
+                with np.load(self.folder / c["file"], allow_pickle=False) as z:
+                    for packed in z["ids"]:
+                        answers.pop(str(packed), None)
         if not answers:
             return None
         return {"answers": len(answers), "response_tokens": sum(sum(x.loss_mask) for x in answers.values()),
