@@ -22,6 +22,7 @@ M=qwen2.5-coder-0.5b
 H=src/adaptree/heads/$M
 RUN=${RUN:-training/$M-head}   # the head run step 1 ships (the fourth pass: RUN=training/$M-head-ep4)
 S=src/adaptree/heads/smollm2-135m
+DTYPE=${DTYPE:-bfloat16}       # step 1's validation dtype: float32 where bfloat16 is emulated (AVX2-only CPUs)
 mkdir -p "$R"
 export OMP_WAIT_POLICY=PASSIVE
 step() { echo; echo "== $(date -u +%H:%M:%S) $*"; }
@@ -33,7 +34,8 @@ if from 1; then
   python3 scripts/ship_head.py "$SRC" --model "$M" --out "$H" --storage int8
   rm -rf "$R/heldout-int8"
   adaptree train-head --out "$R/heldout-int8" --model "$M" --corpus "corpora/$M-greedy" --corpus-chunks 1 \
-    --features online --init-head "$H" --max-steps 1 --ttt-steps 3 --val-steps 8 --select last --threads 2
+    --features online --init-head "$H" --max-steps 1 --ttt-steps 3 --val-steps 8 --select last --threads 2 \
+    --dtype "$DTYPE" --train-dtype "$DTYPE"
 fi
 if from 2; then
   step "2. traces (24 training prompts, 16 evaluation prompts); Re-SpS and LTD retrained over the latency family

@@ -1,7 +1,9 @@
-"""CUDA: the engine on a GPU (skipped without one) and the GPU check's refusal where there is none."""
+"""CUDA: the engine and head training on a GPU (skipped without one) and the GPU check's refusal where there is none."""
 
 from __future__ import annotations
 
+import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from conftest import PROMPTS, tiny_head, tiny_target
 
 from adaptree.core.engine import Engine
 from adaptree.methods import StaticConfig, StaticController, make_controller
+from adaptree.models.eagle3 import Eagle3Head
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -73,3 +76,31 @@ def test_gpu_check_names_the_missing_device(tmp_path):
     assert "no usable device 'cuda'" in proc.stderr
     assert "sees no CUDA device" in (tmp_path / "gc" / "log.txt").read_text()
     assert (tmp_path / "gc" / "summary.md").is_file()
+
+
+@cuda
+def test_head_training_on_cuda_lowers_the_loss_and_exports(tmp_path):
+    """A head trains on the GPU as a pass there runs (scripts/gpu_head_pass.sh): the target's features computed in
+    the loop (online), bfloat16 autocast, validation's chain acceptance picking the export; the export loads."""
+    from adaptree.head_training import TrainHeadConfig, train_head
+    from adaptree.head_training.corpus import ConversationItem
+
+    vocab, rng = 48, random.Random(1)
+    target = tiny_target(vocab=vocab, seed=7).cuda()
+    prompts = {f"p{i}": [rng.randrange(vocab) for _ in range(rng.randint(3, 10))] for i in range(30)}
+    items = [ConversationItem(i, [{"role": "user", "content": i}], "train" if n < 24 else "val")
+             for n, i in enumerate(prompts)]
+    cfg = TrainHeadConfig(out=str(tmp_path), num_prompts=24, max_len=64, max_new_tokens=40, gen_batch_size=16,
+                          draft_vocab=40, epochs=4, max_steps=16, ttt_steps=3, batch_tokens=256, lr=3e-3,
+                          val_every=8, ckpt_every=5, log_every=1, seed=0, target_dtype="float32",
+                          train_dtype="bfloat16", features="online", device="cuda", select="chain_tau")
+    summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
+    train = [r for r in map(json.loads, (tmp_path / "train_log.jsonl").read_text().splitlines())
+             if r["type"] == "train"]
+    assert len(train) == 16
+    assert sum(r["loss"] for r in train[-3:]) < 0.9 * sum(r["loss"] for r in train[:3])
+    val = summary["validation"]["final"]
+    assert val["positions"] > 0 and val["chain_tau"] >= 1.0
+    assert summary["validation"]["selected"]["by"] == "chain_tau"
+    loaded = Eagle3Head.from_pretrained(tmp_path / "head", target=target.cpu(), dtype=torch.float32)
+    assert loaded.config.draft_vocab_size == 40
