@@ -49,18 +49,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 probe=/tmp/probe
 rm -rf "$probe"
 python3 -m adaptree.cli train-head --out "$probe" "${flags[@]}" --epochs 1 --max-steps "$PROBE_STEPS" --val-every 100000 \
-  --ckpt-every 100000 --select last 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -5 | tee -a "$OUT/console.txt"
-read -r per_step steps_per_epoch load_s < <(python3 - "$probe" <<'PY'
+  --ckpt-every 100000 --select last 2>&1 | tr '\r' '\n' | grep -v "^train-head: " | tail -5 | tee -a "$OUT/console.txt"
+read -r per_step load_s < <(python3 - "$probe" <<'PY'
 import json, sys
 s = json.load(open(f"{sys.argv[1]}/training_summary.json"))
 t = s["throughput"]
-tokens = s["data"]["train_tokens"]
-print(t["train_seconds"] / t["steps"], int(tokens / 4096 * 1.04) + 1, s["wall_time_s_this_run"]["total"] - t["train_seconds"])
+print(t["train_seconds"] / t["steps"], s["wall_time_s_this_run"]["total"] - t["train_seconds"])
 PY
 )
 left=$(( BUDGET_S - ($(date +%s) - t_start) ))
-# the pass: its load and its validations (about one probe's overhead, plus one more per 200 steps) come first
-steps=$(python3 -c "print(max($MIN_STEPS, min($MAX_STEPS, int($EPOCHS * $steps_per_epoch), int(($left - 2.5 * $load_s - 30) / ($per_step * 1.08)))))")
+# the pass's load and validations cost about 2.5 times the probe's (the probe validates twice, the pass once per 200
+# steps), its export about 30 s; train-head caps the steps at EPOCHS epochs itself
+steps=$(python3 -c "print(max($MIN_STEPS, min($MAX_STEPS, int(($left - 2.5 * $load_s - 30) / ($per_step * 1.08)))))")
 echo "probe: ${per_step} s per step, ${load_s} s load and validation; ${left} s left: ${steps} steps" | tee -a "$OUT/console.txt"
 rm -rf "$RUN"
 set +e
@@ -68,7 +68,7 @@ timeout -s TERM $(( left - 20 )) python3 -m adaptree.cli train-head --out "$RUN"
   --max-steps "$steps" --val-every 200 --ckpt-every 100 --select chain_tau > /tmp/train.txt 2>&1
 rc=$?
 set -e
-tr '\r' '\n' < /tmp/train.txt | grep -v "it/s\]$" | tail -30 >> "$OUT/console.txt"
+tr '\r' '\n' < /tmp/train.txt | grep -v "^train-head: " | tail -30 >> "$OUT/console.txt"
 echo "train-head exit $rc, $(( $(date +%s) - t_start )) s" | tee -a "$OUT/console.txt"
 cp "$RUN/train_log.jsonl" "$OUT/" || true
 if [ -d "$RUN/head" ]; then rm -rf "$W/head-$(basename "$RUN")" && cp -r "$RUN/head" "$W/head-$(basename "$RUN")"; fi
