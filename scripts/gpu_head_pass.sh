@@ -33,23 +33,24 @@ MIN_STEPS=${MIN_STEPS:-50}
 MAX_STEPS=${MAX_STEPS:-1000000}   # a cap on the pass's steps (EPOCHS caps it too)
 t_start=$(date +%s)
 export ADAPTREE_CACHE=${ADAPTREE_CACHE:-$HOME/adaptree-cache}
-file=$(PYTHONPATH=src python3 -c "from adaptree.models.assets import MODELS; print(MODELS['$MODEL'].source.filename)" \
-       2>/dev/null || echo Qwen2.5-Coder-0.5B-Instruct.gguf)
-mkdir -p "$ADAPTREE_CACHE/files" "$OUT"
-cat "$W"/model.part.* > "$ADAPTREE_CACHE/files/$file"
 tar -xf "$W/payload.tar"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=src:/tmp/site PYTHONUNBUFFERED=1
+file=$(python3 -c "from adaptree.models.assets import MODELS; print(MODELS['$MODEL'].source.filename)")
+mkdir -p "$ADAPTREE_CACHE/files" "$OUT"
+cat "$W"/model.part.* > "$ADAPTREE_CACHE/files/$file"
 flags=(--model "$MODEL" --corpus "$CORPORA" --corpus-chunks "$CHUNKS" --features online --ckpt-dtype bfloat16
        --lr "$LR" --ttt-steps 3 --draft-vocab 8192 --max-len 1024 --batch-tokens 4096 --seed "$SEED" --threads 8
        --dtype "$DTYPE" --train-dtype "$DTYPE" --device "$DEVICE" --init-head "$INIT")
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/console.txt" || echo "no nvidia-smi" > "$OUT/console.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/console.txt" ||
+  echo "no nvidia-smi" > "$OUT/console.txt"
 probe=/tmp/probe
 rm -rf "$probe"
-python3 -m adaptree.cli train-head --out "$probe" "${flags[@]}" --epochs 1 --max-steps "$PROBE_STEPS" --val-every 100000 \
-  --ckpt-every 100000 --select last 2>&1 | tr '\r' '\n' | grep -v "^train-head: " | tail -5 | tee -a "$OUT/console.txt"
+python3 -m adaptree.cli train-head --out "$probe" "${flags[@]}" --epochs 1 --max-steps "$PROBE_STEPS" \
+  --val-every 100000 --ckpt-every 100000 --select last 2>&1 | tr '\r' '\n' | grep -v "^train-head: " | tail -5 |
+  tee -a "$OUT/console.txt"
 read -r per_step load_s < <(python3 - "$probe" <<'PY'
 import json, sys
 s = json.load(open(f"{sys.argv[1]}/training_summary.json"))
@@ -61,7 +62,8 @@ left=$(( BUDGET_S - ($(date +%s) - t_start) ))
 # the pass's load and validations cost about 2.5 times the probe's (the probe validates twice, the pass once per 200
 # steps), its export about 30 s; train-head caps the steps at EPOCHS epochs itself
 steps=$(python3 -c "print(max($MIN_STEPS, min($MAX_STEPS, int(($left - 2.5 * $load_s - 30) / ($per_step * 1.08)))))")
-echo "probe: ${per_step} s per step, ${load_s} s load and validation; ${left} s left: ${steps} steps" | tee -a "$OUT/console.txt"
+echo "probe: ${per_step} s per step, ${load_s} s load and validation; ${left} s left: ${steps} steps" |
+  tee -a "$OUT/console.txt"
 rm -rf "$RUN"
 set +e
 timeout -s TERM $(( left - 20 )) python3 -m adaptree.cli train-head --out "$RUN" "${flags[@]}" --epochs "$EPOCHS" \
