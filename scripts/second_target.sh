@@ -84,8 +84,13 @@ fi
 if from 8; then
   step "8. losslessness: float32 greedy, every method against AR (the cost rules get the setup's latency model)"
   # the setup's latency model and acceptance calibration, from one load
-  { read -r L; read -r A; } < <(python3 -c "import adaptree; a = adaptree.load('$M', threads=2, adapt=False).machine.assets
-print(a['latency']); print(a['acceptance'])")
+  # (no setup for this model and head on this machine: run step 4 first, or give the rules a shipped profile and
+  # step 2's calibrations by hand, as docs/second-target.md's float32 section did on 2026-11-28)
+  assets=$(python3 -c "import sys, adaptree
+m = adaptree.load('$M', threads=2, adapt=False).machine
+if m is None: sys.exit('step 8 needs the machine setup of $M with this head on this machine: run step 4 first')
+print(m.assets['latency']); print(m.assets['acceptance'])")
+  L=$(sed -n 1p <<< "$assets"); A=$(sed -n 2p <<< "$assets")
   adaptree bench --model "$M" --dtype float32 --weights float --compile off --no-adapt \
     --methods ar,static,static-gs,costaware,hybrid,ngram,deagle,ddd,svip,gammatune,radar,ltd,ltd-depth,ltd-size,resps \
     --limit 2 --turns 1 --max-new-tokens 64 --threads 1 --costaware-latency "$L" --costaware-acceptance "$A" \
