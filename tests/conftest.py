@@ -55,6 +55,35 @@ def open_tree(target: Transformer, head: Eagle3Head, prompt: list[int], width: i
     return tree, tree.first_step(out.features, torch.tensor([prompt[1:] + [root]])), out
 
 
+def tiny_prompt_items(n_train: int, n_val: int, seed: int, vocab: int = 48):
+    """ShareGPT-like items for head-training runs on a tiny target: ``n_train`` then ``n_val`` one-turn conversations,
+    and the random prompt ids (3-10 of ``vocab``) each stands for; pass ``lambda it: prompts[it.id]`` as
+    ``train_head``'s ``prompt_ids_fn``. Returns ``(items, prompts)``."""
+    import random
+
+    from adaptree.head_training.corpus import ConversationItem
+
+    rng = random.Random(seed)
+    items, prompts = [], {}
+    for i in range(n_train + n_val):
+        iid = f"p{seed}-{i}"
+        prompts[iid] = [rng.randrange(vocab) for _ in range(rng.randint(3, 10))]
+        items.append(ConversationItem(iid, [{"role": "user", "content": iid}], "train" if i < n_train else "val"))
+    return items, prompts
+
+
+def tiny_train_cfg(out, **kw):
+    """The head-training settings of the tiny runs (24 prompts, 40 new tokens, a 40-token draft vocabulary), with
+    ``kw`` overriding any of them."""
+    from adaptree.head_training import TrainHeadConfig
+
+    base = dict(out=str(out), num_prompts=24, max_len=64, max_new_tokens=40, gen_batch_size=16, draft_vocab=40,
+                epochs=2, ttt_steps=3, batch_tokens=256, lr=3e-3, val_every=1000, ckpt_every=5, log_every=1,
+                seed=0, target_dtype="float32")
+    base.update(kw)
+    return TrainHeadConfig(**base)
+
+
 TINY_THREADS = int(os.environ.get("ADAPTREE_TEST_THREADS") or 1)
 """Torch threads of the tests on tiny models: 1 (they run faster so: no spin-waiting on a shared 2-core
 machine) unless ADAPTREE_TEST_THREADS says otherwise (docs/testing.md: the suite at other thread counts)."""

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, tiny_head, tiny_target
+from conftest import PROMPTS, tiny_head, tiny_prompt_items, tiny_target, tiny_train_cfg
 
 from adaptree.core.engine import Engine
 from adaptree.methods import StaticConfig, StaticController, make_controller
@@ -82,18 +81,12 @@ def test_gpu_check_names_the_missing_device(tmp_path):
 def test_head_training_on_cuda_lowers_the_loss_and_exports(tmp_path):
     """A head trains on the GPU as a pass there runs (scripts/gpu_head_pass.sh): the target's features computed in
     the loop (online), bfloat16 autocast, validation's chain acceptance picking the export; the export loads."""
-    from adaptree.head_training import TrainHeadConfig, train_head
-    from adaptree.head_training.corpus import ConversationItem
+    from adaptree.head_training import train_head
 
-    vocab, rng = 48, random.Random(1)
-    target = tiny_target(vocab=vocab, seed=7).cuda()
-    prompts = {f"p{i}": [rng.randrange(vocab) for _ in range(rng.randint(3, 10))] for i in range(30)}
-    items = [ConversationItem(i, [{"role": "user", "content": i}], "train" if n < 24 else "val")
-             for n, i in enumerate(prompts)]
-    cfg = TrainHeadConfig(out=str(tmp_path), num_prompts=24, max_len=64, max_new_tokens=40, gen_batch_size=16,
-                          draft_vocab=40, epochs=4, max_steps=16, ttt_steps=3, batch_tokens=256, lr=3e-3,
-                          val_every=8, ckpt_every=5, log_every=1, seed=0, target_dtype="float32",
-                          train_dtype="bfloat16", features="online", device="cuda", select="chain_tau")
+    target = tiny_target(vocab=48, seed=7).cuda()
+    items, prompts = tiny_prompt_items(24, 6, seed=1, vocab=48)
+    cfg = tiny_train_cfg(tmp_path, epochs=4, max_steps=16, val_every=8, train_dtype="bfloat16", features="online",
+                         device="cuda", select="chain_tau")
     summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
     train = [r for r in map(json.loads, (tmp_path / "train_log.jsonl").read_text().splitlines())
              if r["type"] == "train"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_THREADS, tiny_head, tiny_target
+from conftest import TINY_THREADS, tiny_head, tiny_prompt_items, tiny_target, tiny_train_cfg
 
 from adaptree.core.batched import batched_generate
 from adaptree.core.engine import Engine
@@ -261,24 +261,6 @@ def test_feature_store_round_trip_and_resume(tmp_path):
 VOCAB = 48
 
 
-def _prompt_items(n_train, n_val, seed):
-    rng = random.Random(seed)
-    items, prompts = [], {}
-    for i in range(n_train + n_val):
-        iid = f"p{seed}-{i}"
-        prompts[iid] = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))]
-        items.append(ConversationItem(iid, [{"role": "user", "content": iid}], "train" if i < n_train else "val"))
-    return items, prompts
-
-
-def _tiny_cfg(out, **kw):
-    base = dict(out=str(out), num_prompts=24, max_len=64, max_new_tokens=40, gen_batch_size=16, draft_vocab=40,
-                epochs=2, ttt_steps=3, batch_tokens=256, lr=3e-3, val_every=1000, ckpt_every=5, log_every=1,
-                seed=0, target_dtype="float32")
-    base.update(kw)
-    return TrainHeadConfig(**base)
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One short self-distillation run on a tiny target (shared by the tests below)."""
@@ -286,9 +268,9 @@ def tiny_run(tmp_path_factory):
     torch.set_num_threads(TINY_THREADS)  # module scope: set up before conftest's per-test one-thread fixture
     try:
         target = tiny_target(vocab=VOCAB, seed=7)
-        items, prompts = _prompt_items(24, 6, seed=1)
+        items, prompts = tiny_prompt_items(24, 6, seed=1, vocab=VOCAB)
         out = tmp_path_factory.mktemp("run")
-        cfg = _tiny_cfg(out, epochs=4, max_steps=16)
+        cfg = tiny_train_cfg(out, epochs=4, max_steps=16)
         summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
     finally:
         torch.set_num_threads(threads)
@@ -345,7 +327,7 @@ def test_resume_after_interruption_gives_the_same_head(tiny_run, tmp_path, monke
     run2 = tmp_path / "run2"
     shutil.copytree(out / "corpus", run2 / "corpus")  # the data stages are reused as they are
     shutil.copytree(out / "features", run2 / "features")
-    cfg = _tiny_cfg(run2, epochs=4, max_steps=16)
+    cfg = tiny_train_cfg(run2, epochs=4, max_steps=16)
     real = head_mod.ttt_loss
 
     def failing_at(n, exc):
@@ -422,7 +404,7 @@ def test_a_legacy_pickle_checkpoint_is_refused_not_unpickled(tiny_run, tmp_path)
     marker = tmp_path / "unpickled"
     torch.save({"optimizer": _Planted(marker)}, run2 / "ckpt" / "trainer.pt")
     for resume in (True, False):
-        cfg = _tiny_cfg(run2, epochs=4, max_steps=16, resume=resume)
+        cfg = tiny_train_cfg(run2, epochs=4, max_steps=16, resume=resume)
         with pytest.raises(ValueError, match=r"ckpt is a checkpoint of the old format \(trainer.pt, a pickle\)"):
             train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
     assert not marker.exists()
@@ -443,7 +425,7 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path, caplog):
 
     run = lambda cfg: train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
     run2 = folder("warm")
-    warm = run(_tiny_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1, features=features))
+    warm = run(tiny_train_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1, features=features))
     exported = load_file(out / "head" / "model.safetensors")
     after = load_file(run2 / "ckpt" / "weights.safetensors")
     for k, v in exported.items():  # two steps at lr 1e-9: the exported weights, and its vocabulary
@@ -453,12 +435,12 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path, caplog):
     best_step = warm["validation"]["selected"]["step"]
     shutil.rmtree(run2 / "best")
     with caplog.at_level(logging.WARNING, logger="adaptree.head_training.trainer"):
-        again = run(_tiny_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1,
+        again = run(tiny_train_cfg(run2, init_head=str(out / "head"), lr=1e-9, max_steps=2, ckpt_every=1,
                               features=features, resume=True))
     assert f"best validation so far (step {best_step}," in caplog.text and "it is empty" in caplog.text
     assert again["validation"]["selected"]["missing_best"]["step"] == best_step
     assert "missing_best" not in warm["validation"]["selected"]
-    cold = run(_tiny_cfg(folder("cold"), lr=1e-9, max_steps=2, features=features))
+    cold = run(tiny_train_cfg(folder("cold"), lr=1e-9, max_steps=2, features=features))
     # the warm start validates like the trained head it started from (before its first step, and after two
     # steps at lr 1e-9), far above a fresh random head
     first = json.loads((run2 / "train_log.jsonl").read_text().splitlines()[0])
@@ -467,11 +449,11 @@ def test_warm_start_from_an_exported_head(tiny_run, tmp_path, caplog):
     assert warm["validation"]["final"]["loss"] == pytest.approx(summary["validation"]["final"]["loss"], rel=0.02)
     assert warm["validation"]["final"]["loss"] < 0.9 * cold["validation"]["final"]["loss"]
     with pytest.raises(ValueError, match="draft vocabulary of 40, not --draft-vocab 32"):
-        run(_tiny_cfg(folder("other"), init_head=str(out / "head"), draft_vocab=32, features=features))
+        run(tiny_train_cfg(folder("other"), init_head=str(out / "head"), draft_vocab=32, features=features))
     with pytest.raises(ValueError, match="init_from_target"):
-        _tiny_cfg(tmp_path / "both", init_head=str(out / "head"), init_from_target=True)
+        tiny_train_cfg(tmp_path / "both", init_head=str(out / "head"), init_from_target=True)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        run(_tiny_cfg(folder("missing"), init_head=str(tmp_path / "nowhere"), features=features))
+        run(tiny_train_cfg(folder("missing"), init_head=str(tmp_path / "nowhere"), features=features))
 
 
 def test_online_features_match_the_store_and_plan_the_same_batches(tmp_path):
@@ -506,7 +488,7 @@ def test_online_features_match_the_store_and_plan_the_same_batches(tmp_path):
                 expected[s.input_ids[p]] += s.loss_mask[p]
     assert counts.tolist() == expected.tolist()
     # the batch plan depends on the sequences, not on the store or its order
-    cfg = _tiny_cfg(tmp_path / "run", batch_tokens=64, max_len=32)
+    cfg = tiny_train_cfg(tmp_path / "run", batch_tokens=64, max_len=32)
     plans = [HeadTrainer(cfg, target, st)._plan()[0] for st in (store, online)]
     assert [[[r.id for r in b] for b in e] for e in plans[0]] == [[[r.id for r in b] for b in e] for e in plans[1]]
 
@@ -521,7 +503,7 @@ def test_online_features_train_and_resume_from_the_corpus_alone(tiny_run, tmp_pa
     for name in ("whole", "crashed"):
         runs[name] = tmp_path / name
         shutil.copytree(out / "corpus", runs[name] / "corpus")
-    cfg = lambda name: _tiny_cfg(runs[name], epochs=4, max_steps=16, features="online",  # noqa: E731
+    cfg = lambda name: tiny_train_cfg(runs[name], epochs=4, max_steps=16, features="online",  # noqa: E731
                                  resume=name == "crashed" and (runs[name] / "ckpt").exists())
     run = lambda name: train_head(cfg(name), target=target, items=items,  # noqa: E731
                                   prompt_ids_fn=lambda it: prompts[it.id])
@@ -558,8 +540,8 @@ def test_online_features_train_and_resume_from_the_corpus_alone(tiny_run, tmp_pa
 def test_trained_head_beats_random_head_in_the_engine(tmp_path):
     """End to end: self-distil a tiny target, train briefly, and compare the static-tree tau."""
     target = tiny_target(vocab=VOCAB, seed=11)
-    items, prompts = _prompt_items(40, 8, seed=2)
-    cfg = _tiny_cfg(tmp_path, num_prompts=40, epochs=12, ttt_steps=4, draft_vocab=VOCAB, max_new_tokens=48,
+    items, prompts = tiny_prompt_items(40, 8, seed=2, vocab=VOCAB)
+    cfg = tiny_train_cfg(tmp_path, num_prompts=40, epochs=12, ttt_steps=4, draft_vocab=VOCAB, max_new_tokens=48,
                     lr=4e-3, ckpt_every=1000, log_every=50)
     summary = train_head(cfg, target=target, items=items, prompt_ids_fn=lambda it: prompts[it.id])
     trained = Eagle3Head.from_pretrained(tmp_path / "head", target=target, dtype=torch.float32)
