@@ -151,7 +151,7 @@ def test_inductor_cache_is_kept_per_kernel_level(tmp_path, monkeypatch):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
-def test_several_models_in_one_process_keep_their_graphs(monkeypatch):
+def test_several_models_in_one_process_keep_their_graphs():
     """Every compiled Transformer compiles the same function (llama.call_layer), so the graphs of all models in a
     process share one cache; adaptree.load's execution choice compiles three. Past Dynamo's default limit of 8
     graphs, further shapes ran eager without a word. Transformer.compile raises the limit: the variants here
@@ -163,25 +163,27 @@ def test_several_models_in_one_process_keep_their_graphs(monkeypatch):
 
     from adaptree.models import llama
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # Dynamo's default, whatever ran before
-    torch._dynamo.reset()
-    tiny_target().compile(16)
-    assert torch._dynamo.config.recompile_limit >= llama.RECOMPILE_LIMIT
-    step = torch.compile(llama.call_layer, backend="eager", dynamic=True)
-    gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        target = tiny_target(dtype=dtype)
-        for n in (1, 5):
-            _, mask = random_tree(n, gen)
-            for mode in (torch.inference_mode, torch.no_grad, contextlib.nullcontext):
-                with mode():
-                    eager = _forward(target, [1, 2, 3], list(range(n)), mask)
-                    target._compiled, target.compile_tokens = step, 16
-                    compiled = _forward(target, [1, 2, 3], list(range(n)), mask)
-                    target._compiled, target.compile_tokens = None, 0
-                torch.testing.assert_close(compiled.logits, eager.logits)
-    assert len(_debug_get_cache_entry_list(llama.call_layer.__code__)) > 8  # none sent back to eager
-    torch._dynamo.reset()
+    # Dynamo's default, whatever ran before; torch's own patching restores the setting (a monkeypatch of a
+    # torch config module deleted it on undo under pytest 9.2, hiding it for the rest of the process)
+    with torch._dynamo.config.patch(recompile_limit=8):
+        torch._dynamo.reset()
+        tiny_target().compile(16)
+        assert torch._dynamo.config.recompile_limit >= llama.RECOMPILE_LIMIT
+        step = torch.compile(llama.call_layer, backend="eager", dynamic=True)
+        gen = torch.Generator().manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            target = tiny_target(dtype=dtype)
+            for n in (1, 5):
+                _, mask = random_tree(n, gen)
+                for mode in (torch.inference_mode, torch.no_grad, contextlib.nullcontext):
+                    with mode():
+                        eager = _forward(target, [1, 2, 3], list(range(n)), mask)
+                        target._compiled, target.compile_tokens = step, 16
+                        compiled = _forward(target, [1, 2, 3], list(range(n)), mask)
+                        target._compiled, target.compile_tokens = None, 0
+                    torch.testing.assert_close(compiled.logits, eager.logits)
+        assert len(_debug_get_cache_entry_list(llama.call_layer.__code__)) > 8  # none sent back to eager
+        torch._dynamo.reset()
 
 
 def test_direct_calls_skip_dynamo_once_compiled(monkeypatch):
