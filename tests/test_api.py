@@ -127,8 +127,8 @@ def test_assets_next_to_the_head_in_use_are_found(pipe, tiny_folders, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ layering
 
-LAYERS = ("_lazy", "_version", "core", "models", "data", "offline", "methods", "head_training", "adapt", "bench",
-          "serve", "api", "adaptree", "cli")
+LAYERS = ("_lazy", "_version", "core", "models", "data", "offline", "methods", "head_training", "adapt", "vllm_plugin",
+          "bench", "serve", "api", "adaptree", "cli")
 """The package's layers, lowest first: a module imports only from its own layer or lower ones (at the top, in
 functions and under TYPE_CHECKING alike). ``_lazy`` and ``_version`` are the root package's helpers; ``adaptree``
 is the root package itself (it re-exports the API); ``cli`` is the command line on top of everything."""

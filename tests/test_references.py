@@ -203,6 +203,11 @@ def references(text: Text) -> Iterator[Reference]:
 
 
 MISSING = object()
+UNCHECKED = object()
+"""What a name in a module that needs an optional package, absent here, stands for: it is not checked in this
+environment (CI checks it again where the package is installed: .ci/run's vLLM pass)."""
+OPTIONAL = ("vllm",)
+"""Optional packages whose modules import them at the top (adaptree.vllm_plugin's scheduler subclasses vLLM's)."""
 """What a name that names nothing resolves to (None is a value a name may have)."""
 
 
@@ -254,6 +259,8 @@ def absolute(path: str) -> object:
             obj = importlib.import_module(name)
         except ModuleNotFoundError as e:
             if e.name is not None and not name.startswith(e.name):
+                if e.name.partition(".")[0] in OPTIONAL:
+                    return UNCHECKED
                 raise  # the module exists but imports something missing: a real error, not a wrong name
             continue
         for part in parts[cut:]:
@@ -267,7 +274,12 @@ def absolute(path: str) -> object:
 @cache
 def imported_names(module: str) -> dict[str, str]:
     """Each name ``module`` imports (also under ``TYPE_CHECKING``) -> the absolute dotted path it stands for."""
-    mod = importlib.import_module(module)
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.partition(".")[0] in OPTIONAL:
+            return {}
+        raise
     package = mod.__name__ if hasattr(mod, "__path__") else mod.__name__.rpartition(".")[0]
     names = {}
     for node in ast.walk(ast.parse(inspect.getsource(mod))):
@@ -316,7 +328,8 @@ def resolves(kind: str, target: str, module: str | None = None, classes: tuple[s
     if kind in ("dotted", "short"):
         return absolute(target if kind == "dotted" else f"adaptree.{target}") is not MISSING
     paths = candidates(clean(target), module, classes)
-    return any((obj := absolute(path)) is not MISSING and (kind != "mod" or inspect.ismodule(obj)) for path in paths)
+    return any((obj := absolute(path)) is not MISSING
+               and (kind != "mod" or obj is UNCHECKED or inspect.ismodule(obj)) for path in paths)
 
 
 def checked(ref: Reference) -> bool:

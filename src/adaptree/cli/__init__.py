@@ -1,5 +1,5 @@
 """Command line: ``adaptree generate | serve | adapt | bench | report | compare-hf | tune-static | train-head |
-traces record | simulate | calibrate | oracle | radar dataset | radar train | train ltd | train resps | train radar``
+traces record | simulate | calibrate | oracle | radar dataset | radar train | train ltd | train resps | train radar | export-head``
 (``serve``: an OpenAI-compatible HTTP server, docs/serving.md)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser", "build_controller", "load_pipeline", "method_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaptree.cli import adapt, bench, generate, head, offline, radar, serve, train
+    from adaptree.cli import adapt, bench, generate, head, offline, radar, serve, train, vllm
 
     parser = argparse.ArgumentParser(prog="adaptree", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.register(sub)
     radar.register(sub)
     train.register(sub)
+    vllm.register(sub)
     return parser
 
 

@@ -570,15 +570,10 @@ class Eagle3Head(nn.Module):
                                 f"in {folder}")
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, target: Transformer | None = None,
-                        dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None) -> "Eagle3Head":
-        """Load a released / SpecForge / :meth:`save_pretrained` head with strict checks.
-
-        ``dtype``/``device`` default to the target's, else the checkpoint's dtype on CPU. Without
-        ``embed_tokens`` in the checkpoint the target's embeddings are borrowed (a target is then required);
-        with them, the checkpoint's are kept even when a target is given.
-        """
+    def read_checked(cls, folder: str | os.PathLike) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+        """A head folder's config and float state dict (int8 rows dequantized), checked as strictly as
+        :meth:`from_pretrained` checks them: the layout's keys and shapes, ``d2t`` in range (int64), ``t2d``
+        (bool). Needs no target: what :func:`adaptree.vllm_plugin.export.export_head` converts from."""
         folder = os.fspath(folder)
         cfg_path = os.path.join(folder, "config.json")
         if not os.path.isfile(cfg_path):
@@ -587,22 +582,15 @@ class Eagle3Head(nn.Module):
             cfg = Eagle3Config.from_hf_dict(_read_config(cfg_path))
         except (TypeError, AttributeError) as exc:  # a field of the wrong JSON type (a list for a number, ...)
             raise ValueError(f"{cfg_path}: a field has the wrong type ({exc})") from None
-        if target is not None:
-            tc = target.config
-            if cfg.target_hidden_size != tc.hidden_size:
-                raise ValueError(f"the head's target_hidden_size ({cfg.target_hidden_size}) does not match the "
-                                 f"target's hidden_size ({tc.hidden_size})")
-            if cfg.vocab_size != tc.vocab_size:
-                raise ValueError(f"the head's vocab_size ({cfg.vocab_size}) does not match the target's "
-                                 f"vocab_size ({tc.vocab_size})")
         sd = dequantize_rows(cls._read_weights(folder), folder)
-        has_emb = _EMBED_KEY in sd
-        if not has_emb and target is None:
-            raise ValueError(f"the checkpoint in {folder} has no {_EMBED_KEY} and no target was given to "
-                             f"take the embeddings from")
+        if "t2d" not in sd and "d2t" in sd and not sd["d2t"].is_floating_point():
+            # vLLM's and SGLang's loaders skip t2d, and exports for them (adaptree export-head) leave it out: it is
+            # d2t's image, rebuilt here
+            mapped = torch.arange(sd["d2t"].numel()) + sd["d2t"].to(torch.int64)
+            if int(mapped.min()) >= 0 and int(mapped.max()) < cfg.vocab_size:  # else the range check below names it
+                sd["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, mapped, True)
         with torch.device("meta"):
-            head = cls(cfg, with_embeddings=has_emb)
-        expected = head.state_dict()
+            expected = cls(cfg, with_embeddings=_EMBED_KEY in sd).state_dict()
         missing = sorted(set(expected) - set(sd))
         unexpected = sorted(set(sd) - set(expected))
         if missing or unexpected:
@@ -634,17 +622,42 @@ class Eagle3Head(nn.Module):
         if cfg.draft_vocab_size < cfg.vocab_size and not bool(t2d[mapped].all()):
             warnings.warn("the checkpoint's t2d does not mark every target id that d2t maps to; forward() does "
                           "not use t2d, but training code mapping target ids to draft ids would", stacklevel=2)
+        sd["d2t"], sd["t2d"] = d2t, t2d
+        return cfg, sd
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, target: Transformer | None = None,
+                        dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> "Eagle3Head":
+        """Load a released / SpecForge / :meth:`save_pretrained` head with strict checks.
+
+        ``dtype``/``device`` default to the target's, else the checkpoint's dtype on CPU. Without
+        ``embed_tokens`` in the checkpoint the target's embeddings are borrowed (a target is then required);
+        with them, the checkpoint's are kept even when a target is given.
+        """
+        folder = os.fspath(folder)
+        cfg, sd = cls.read_checked(folder)
+        if target is not None:
+            tc = target.config
+            if cfg.target_hidden_size != tc.hidden_size:
+                raise ValueError(f"the head's target_hidden_size ({cfg.target_hidden_size}) does not match the "
+                                 f"target's hidden_size ({tc.hidden_size})")
+            if cfg.vocab_size != tc.vocab_size:
+                raise ValueError(f"the head's vocab_size ({cfg.vocab_size}) does not match the target's "
+                                 f"vocab_size ({tc.vocab_size})")
+        has_emb = _EMBED_KEY in sd
+        if not has_emb and target is None:
+            raise ValueError(f"the checkpoint in {folder} has no {_EMBED_KEY} and no target was given to "
+                             f"take the embeddings from")
+        with torch.device("meta"):
+            head = cls(cfg, with_embeddings=has_emb)
         if dtype is None:
             dtype = target.dtype if target is not None else sd["fc.weight"].dtype
         if device is None:
             device = target.device if target is not None else torch.device("cpu")
         tensors: dict[str, torch.Tensor] = {}
         for k, v in sd.items():
-            if k == "d2t":
-                v = d2t
-            elif k == "t2d":
-                v = t2d
-            elif v.is_floating_point():
+            if v.is_floating_point():  # d2t (int64) and t2d (bool) as read_checked made them
                 v = v.to(dtype)
             tensors[k] = v.to(device).contiguous()
         head.load_state_dict(tensors, strict=True, assign=True)

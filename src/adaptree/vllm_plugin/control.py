@@ -1,0 +1,237 @@
+"""Draft-length controllers for vLLM's speculative decoding: what adaptree's scheduler plugin
+(:mod:`adaptree.vllm_plugin.scheduler`) asks before every engine step. Plain Python, no vLLM import: the decisions are
+unit-tested on their own (``tests/test_vllm_control.py``).
+
+vLLM drafts ``K`` tokens for every running request after each step and verifies them in the next one, all
+requests in one forward of ``sum(1 + k_i)`` rows. A fixed ``K`` pays off at one request and loses under load,
+where the forward is compute-bound and every drafted row costs nearly a token (docs/vllm.md). The controller
+decides, per step:
+
+- ``k_i`` for each running request: how many of the drafts it already has are verified (vLLM verifies a prefix
+  of any length), and
+- ``K``: how many tokens the drafter drafts after this step (vLLM's dynamic speculative decoding takes any
+  ``0 <= K <= num_speculative_tokens`` per step).
+
+:class:`CostAwareLength` is adaptree's cost-aware rule (docs/adapting.md) on vLLM's terms: expected tokens per
+second of the whole batch, from :class:`StepCosts` (vLLM's own step time at B requests x K drafts, measured by
+:func:`adaptree.vllm_plugin.engine.measure_step_costs`) and each request's acceptance per draft position
+(:class:`Acceptance`, learned online from the verifications, starting from the batch's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEP_COSTS_FORMAT = "adaptree-vllm-step-costs/1"
+
+
+@dataclass
+class StepCosts:
+    """vLLM's wall time of one engine step (target forward, rejection sampling, drafting, bookkeeping) with
+    ``B`` decoding requests each verifying ``K`` drafts and drafting ``K`` more: ``seconds[b][k]`` at
+    ``batch_sizes[b]`` and ``K = ks[k]`` (``ks`` = 0..K_max). Between measured batch sizes the time is linear in
+    B; past the largest it grows at the last interval's slope (the forward is compute-bound there)."""
+
+    batch_sizes: list[int]
+    seconds: list[list[float]]
+    machine: dict = field(default_factory=dict)
+    """Where it was measured (adaptree.core.machine's profile) and with what (model, dtype, threads)."""
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes) \
+                or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise ValueError(f"StepCosts.batch_sizes must be increasing positive integers, got {self.batch_sizes!r}")
+        if len(self.seconds) != len(self.batch_sizes):
+            raise ValueError(f"StepCosts.seconds has {len(self.seconds)} rows for {len(self.batch_sizes)} batch sizes")
+        widths = {len(row) for row in self.seconds}
+        if len(widths) != 1 or min(widths) < 1:
+            raise ValueError(f"StepCosts.seconds rows must all cover K = 0..K_max, got lengths {sorted(widths)}")
+        for b, row in zip(self.batch_sizes, self.seconds):
+            for k, t in enumerate(row):
+                if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+                    raise ValueError(f"StepCosts.seconds at B={b}, K={k} must be a positive number, got {t!r}")
+
+    @property
+    def k_max(self) -> int:
+        return len(self.seconds[0]) - 1
+
+    def time(self, batch: int, k: int) -> float:
+        """Seconds of a step with ``batch`` decoding requests and ``k`` drafts each."""
+        if batch < 1 or not 0 <= k <= self.k_max:
+            raise ValueError(f"StepCosts.time: batch {batch} and K {k} (measured K: 0..{self.k_max})")
+        bs = self.batch_sizes
+        if len(bs) == 1:
+            return self.seconds[0][k] * batch / bs[0]
+        i = 0
+        while i < len(bs) - 2 and batch > bs[i + 1]:
+            i += 1
+        lo, hi = bs[i], bs[i + 1]
+        t_lo, t_hi = self.seconds[i][k], self.seconds[i + 1][k]
+        return max(t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo), 1e-6)
+
+    def to_json(self) -> dict:
+        return {"format": STEP_COSTS_FORMAT, "batch_sizes": self.batch_sizes, "seconds": self.seconds,
+                "machine": self.machine}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepCosts":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != STEP_COSTS_FORMAT:
+            raise ValueError(f"{path}: not a vLLM step-cost file (format {STEP_COSTS_FORMAT!r})")
+        unknown = set(data) - {"format", "batch_sizes", "seconds", "machine"}
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
+        try:
+            return cls([int(b) for b in data["batch_sizes"]], [[float(t) for t in row] for row in data["seconds"]],
+                       dict(data.get("machine") or {}))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: missing or malformed field ({exc})") from None
+
+
+class Acceptance:
+    """Acceptance per draft position: ``rate(j)`` is the chance that draft ``j`` (0-based) is accepted once drafts
+    ``0..j-1`` were, estimated from verifications with a prior of ``strength`` pseudo-observations at ``prior``'s
+    rates (the batch's own estimate, for a request's)."""
+
+    def __init__(self, k_max: int, prior: Sequence[float] | "Acceptance", strength: float = 4.0) -> None:
+        self.k_max, self.prior, self.strength = k_max, prior, strength
+        self.reached = [0] * k_max
+        self.accepted = [0] * k_max
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verification of ``drafted`` drafts of which the first ``accepted`` were accepted."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted {accepted} of {drafted} drafts")
+        for j in range(min(drafted, self.k_max)):
+            self.reached[j] += 1
+            if j < accepted:
+                self.accepted[j] += 1
+            else:
+                break
+
+    def _prior(self, j: int) -> float:
+        return self.prior.rate(j) if isinstance(self.prior, Acceptance) else float(self.prior[j])
+
+    def rate(self, j: int) -> float:
+        return (self.accepted[j] + self.strength * self._prior(j)) / (self.reached[j] + self.strength)
+
+    def survival(self, k: int) -> list[float]:
+        """``P(at least j+1 drafts accepted)`` for j < k."""
+        out, p = [], 1.0
+        for j in range(k):
+            p *= self.rate(j)
+            out.append(p)
+        return out
+
+
+DEFAULT_PRIOR = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5)
+"""Before any verification: half of the drafts at each position (the batch's estimate replaces it quickly)."""
+
+
+class FixedLength:
+    """``k`` drafts for every request at every step (vLLM's static behaviour, and the step-cost measurement's)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def decide(self, requests: Sequence[str]) -> tuple[dict[str, int], int]:
+        return dict.fromkeys(requests, self.k), self.k
+
+    def observe(self, request: str, drafted: int, accepted: int) -> None:
+        pass
+
+    def forget(self, live: Iterable[str]) -> None:
+        pass
+
+
+class CostAwareLength:
+    """The batch's drafts that maximise modelled tokens per second.
+
+    For each ``K`` in 0..K_max: the step's expected tokens ``sum_i (1 + sum_{j<K} S_i(j))`` (``S_i`` request i's
+    survival) over its time ``costs.time(B, K)``; the best ``K`` is the one drafted. A request verifies its own
+    prefix ``k_i <= K`` of drafts: a draft whose chance of being reached and accepted is below what a verified row
+    costs at the batch's rate (``rate x (time(B, K) - time(B, K-1)) / B``) is left out, the same trade the
+    cost-aware rule makes per tree node in adaptree's engine."""
+
+    name = "costaware"
+
+    def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
+        self.costs = costs
+        self.k_max = costs.k_max if k_max is None else min(k_max, costs.k_max)
+        if len(prior) < self.k_max:
+            raise ValueError(f"the acceptance prior covers {len(prior)} positions; K_max is {self.k_max}")
+        self.batch = Acceptance(self.k_max, prior, strength=8.0)
+        self.requests: dict[str, Acceptance] = {}
+
+    def _acceptance(self, request: str) -> Acceptance:
+        acc = self.requests.get(request)
+        if acc is None:
+            acc = self.requests[request] = Acceptance(self.k_max, self.batch)
+        return acc
+
+    def decide(self, requests: Sequence[str]) -> tuple[dict[str, int], int]:
+        if not requests or self.k_max == 0:
+            return dict.fromkeys(requests, 0), 0
+        b = len(requests)
+        survival = {r: self._acceptance(r).survival(self.k_max) for r in requests}
+        best_k, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            tokens = sum(1.0 + sum(s[:k]) for s in survival.values())
+            rate = tokens / self.costs.time(b, k)
+            if rate > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            return dict.fromkeys(requests, 0), 0
+        row = max(self.costs.time(b, best_k) - self.costs.time(b, best_k - 1), 0.0) / b
+        bar = best_rate * row
+        ks = {r: sum(1 for p in s[:best_k] if p >= bar) for r, s in survival.items()}
+        return ks, best_k
+
+    def observe(self, request: str, drafted: int, accepted: int) -> None:
+        self.batch.observe(drafted, accepted)
+        self._acceptance(request).observe(drafted, accepted)
+
+    def forget(self, live: Iterable[str]) -> None:
+        """Drop the estimates of requests that are no longer running."""
+        keep = set(live)
+        for r in [r for r in self.requests if r not in keep]:
+            del self.requests[r]
+
+
+CONTROLLERS = ("fixed", "costaware")
+
+
+def build_controller(settings: Mapping, k_max: int):
+    """The controller that ``settings`` (``additional_config["adaptree"]`` of the vLLM config) names:
+    ``{"controller": "costaware", "step_costs": PATH}`` or ``{"controller": "fixed", "k": K}``."""
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"additional_config['adaptree'] must be a mapping, got {settings!r}")
+    unknown = set(settings) - {"controller", "k", "step_costs"}
+    if unknown:
+        raise ValueError(f"additional_config['adaptree']: unknown settings {sorted(unknown)}")
+    name = settings.get("controller", "costaware")
+    if name == "fixed":
+        k = settings.get("k", k_max)
+        if not isinstance(k, int) or not 0 <= k <= k_max:
+            raise ValueError(f"additional_config['adaptree']['k'] must be an integer in 0..{k_max} "
+                             f"(num_speculative_tokens), got {k!r}")
+        return FixedLength(k)
+    if name == "costaware":
+        path = settings.get("step_costs")
+        if not path:
+            raise ValueError("the costaware controller needs additional_config['adaptree']['step_costs']: the file "
+                             "adaptree.vllm_plugin.engine.measure_step_costs writes")
+        return CostAwareLength(StepCosts.load(path), k_max)
+    raise ValueError(f"additional_config['adaptree']['controller'] must be one of {CONTROLLERS}, got {name!r}")

@@ -1,0 +1,204 @@
+"""vLLM as adaptree runs it: the engine built with adaptree's settings, generation over token ids with the figures
+the bench reports, and the step-cost measurement the cost-aware controller reads.
+
+vLLM is imported inside the functions (``pip install 'adaptree[vllm]'``; docs/vllm.md). The settings adaptree makes
+for vLLM's CPU backend, each only where the user has not set it:
+
+- ``VLLM_CPU_OMP_THREADS_BIND``: the cores this process may run on (``os.sched_getaffinity``), or the first
+  ``threads`` of them; vLLM's own default on a 2-core machine bound one thread;
+- ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM reserves a core for its front end otherwise) and
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB; 2 by default: 90k tokens of SmolLM2's cache);
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core in this process, so the bench reads its scheduler's step
+  records and a worker process of the bench hosts one engine, not two processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VLLM_ARM_PREFIX = "vllm"
+SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
+
+
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cpu_environment(threads: int | None = None, kv_cache_gib: float = 2.0) -> dict[str, str]:
+    """The environment variables adaptree sets for vLLM's CPU backend (only those not set already); applied to
+    ``os.environ`` and returned."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if threads is not None:
+        if not 1 <= threads <= len(cores):
+            raise ValueError(f"threads must be in 1..{len(cores)} (the cores this process may use), got {threads}")
+        cores = cores[:threads]
+    wanted = {
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": str(len(cores)),
+    }
+    set_now = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One vLLM configuration: ``spec`` is vLLM's ``speculative_config`` (None: plain decoding); ``adaptree`` the
+    controller settings (``additional_config["adaptree"]``), None for vLLM's own scheduler."""
+
+    name: str
+    spec: Mapping[str, Any] | None = None
+    adaptree: Mapping[str, Any] | None = None
+
+
+def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 4096,
+             enforce_eager: bool = True, threads: int | None = None, max_num_seqs: int = 32):
+    """A ``vllm.LLM`` on the Hugging Face folder ``target`` configured as ``arm``."""
+    cpu_environment(threads)
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if arm.spec is not None:
+        kwargs["speculative_config"] = dict(arm.spec)
+    if arm.adaptree is not None:
+        if arm.spec is None:
+            raise ValueError(f"arm {arm.name}: adaptree's controller decides drafts; the arm needs a speculative_config")
+        kwargs.update(scheduler_cls=SCHEDULER, async_scheduling=False,
+                      additional_config={"adaptree": dict(arm.adaptree)})
+    return LLM(model=str(target), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
+               max_num_seqs=max_num_seqs, disable_log_stats=False, **kwargs)
+
+
+def scheduler_of(llm):
+    """The engine core's scheduler of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    core = getattr(core, "engine_core", core)
+    sched = getattr(core, "scheduler", None)
+    if sched is None:
+        raise RuntimeError("this vLLM's engine core is not in this process (set VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return sched
+
+
+def _spec_counters(llm) -> tuple[int, int, int]:
+    """vLLM's running totals (drafts, draft tokens, accepted tokens) of speculative decoding."""
+    totals = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
+              "vllm:spec_decode_num_accepted_tokens": 0}
+    for m in llm.get_metrics():
+        if m.name in totals and hasattr(m, "value"):
+            totals[m.name] += int(m.value)
+    return tuple(totals.values())  # type: ignore[return-value]
+
+
+@dataclass
+class BatchResult:
+    """N requests run at once (N streams)."""
+
+    outputs: list[list[int]]
+    wall_s: float
+    latencies_s: list[float]
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    """Engine steps (adaptree's scheduler counts them; 0 under vLLM's own)."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verification of a request that drafted (vLLM's mean acceptance length); nan without
+        drafts."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else float("nan")
+
+
+def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                   seed: int = 0, eos: bool = True) -> BatchResult:
+    """``prompts`` (token ids) submitted together; greedy unless ``temperature`` > 0."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature else None,
+                            ignore_eos=not eos, detokenize=False)
+    before = _spec_counters(llm)
+    sched = scheduler_of(llm)
+    steps_before = getattr(sched, "steps_done", 0)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = _spec_counters(llm)
+    latencies = []
+    for o in outs:
+        m = o.metrics
+        ok = m is not None and getattr(m, "last_token_ts", 0) and getattr(m, "queued_ts", 0)
+        latencies.append(float(m.last_token_ts - m.queued_ts) if ok else wall)
+    return BatchResult([list(o.outputs[0].token_ids) for o in outs], wall, latencies,
+                       *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before)
+
+
+def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
+                       batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), k_max: int = 5, dtype: str = "bfloat16",
+                       new_tokens: int = 24, repeats: int = 2, threads: int | None = None, progress=None):
+    """vLLM's step time at each batch size x K = 0..k_max drafts (:class:`~adaptree.vllm_plugin.control.StepCosts`): B
+    requests (``prompts`` cycled) decode ``new_tokens`` each under a fixed K, and the steps in which all B decoded,
+    each verifying K drafts and drafting K more, are timed by adaptree's scheduler; the median over ``repeats``
+    interleaved passes. ``progress(done, total)`` is called after each run."""
+    import statistics
+
+    from adaptree.core.machine import machine_profile
+    from adaptree.vllm_plugin.control import FixedLength, StepCosts
+
+    if not prompts:
+        raise ValueError("measure_step_costs needs at least one prompt")
+    arm = Arm("step-costs", spec={"method": "eagle3", "model": str(head), "num_speculative_tokens": k_max},
+              adaptree={"controller": "fixed", "k": k_max})
+    llm = make_llm(target, arm, dtype=dtype, threads=threads, max_num_seqs=max(batch_sizes))
+    sched = scheduler_of(llm)
+    generate_batch(llm, [prompts[0]], 8)  # warm-up
+    times: dict[tuple[int, int], list[float]] = {}
+    total, done = repeats * len(batch_sizes) * (k_max + 1), 0
+    for _ in range(repeats):
+        for b in batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            for k in range(k_max + 1):
+                sched.controller = FixedLength(k)
+                first = sched.steps_done
+                generate_batch(llm, batch, new_tokens, eos=False)
+                records = list(sched.step_records)[-(sched.steps_done - first):] if sched.steps_done > first else []
+                times.setdefault((b, k), []).extend(
+                    r.seconds for r in records
+                    if r.decoding == b and r.prefill_tokens == 0 and r.drafted_after == k
+                    and all(v == k for v in r.verified))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+    missing = [key for key in times if not times[key]]
+    if missing:
+        raise RuntimeError(f"no pure decode step was timed at (B, K) = {missing}; raise new_tokens")
+    profile = machine_profile()
+    profile.update({"engine": "vllm", "target": str(target), "head": str(head), "dtype": dtype,
+                    "threads": os.environ.get("OMP_NUM_THREADS")})
+    try:
+        import vllm
+
+        profile["vllm"] = vllm.__version__
+    except (ImportError, AttributeError):
+        pass
+    return StepCosts(list(batch_sizes), [[statistics.median(times[(b, k)]) for k in range(k_max + 1)]
+                                         for b in batch_sizes], profile)

@@ -1,0 +1,106 @@
+"""adaptree's draft-length controllers inside vLLM, as a scheduler class (vLLM's ``scheduler_cls`` setting; no
+patched vLLM file).
+
+vLLM's scheduler decides, before every engine step, which tokens each running request computes: for a decoding
+request, its last sampled token plus the drafts the drafter left in ``request.spec_token_ids``. This subclass asks
+an adaptree controller (:mod:`adaptree.vllm_plugin.control`) first, keeps each request's first ``k_i`` drafts, and sets how
+many drafts the drafter makes after the step (``num_spec_tokens_to_schedule``, vLLM's dynamic speculative decoding
+field, which its EAGLE drafter and rejection sampler honour per step). Verification is vLLM's own: the text is
+the same as without drafts (lossless), only the work per step changes.
+
+It also records each step's wall time (schedule to schedule: forward, sampling, drafting, bookkeeping) with the
+batch it ran, which :func:`adaptree.vllm_plugin.engine.measure_step_costs` turns into the controller's cost table.
+
+Enable it with ``scheduler_cls="adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"`` (or ``...AsyncScheduler`` under
+async scheduling), ``speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K_MAX}`` and
+``additional_config={"adaptree": {"controller": "costaware", "step_costs": PATH}}``:
+:func:`adaptree.vllm_plugin.engine.make_llm` sets all three.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from adaptree.vllm_plugin.control import build_controller
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the scheduler planned it, and its wall time."""
+
+    decoding: int
+    """Requests that verified drafts or decoded one token."""
+    verified: tuple[int, ...]
+    """Drafts verified per decoding request."""
+    drafted_after: int
+    """K: drafts the drafter made after the step."""
+    prefill_tokens: int
+    """Prompt tokens computed in the step (0 in a pure decode step)."""
+    seconds: float
+
+
+class _DraftControl:
+    """The controller's hooks on vLLM's scheduler (mixed into both of vLLM's scheduler classes)."""
+
+    RECORDS = 4096
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        settings = (self.vllm_config.additional_config or {}).get("adaptree", {})
+        if not self.num_spec_tokens:
+            raise ValueError("adaptree's scheduler decides speculative drafts: configure vLLM's speculative_config "
+                             "(method eagle3, num_speculative_tokens = the most drafts a step may take)")
+        self.controller = build_controller(settings, self.num_spec_tokens)
+        # vLLM pads new decode requests to the full draft length unless a dynamic schedule is set; the controller
+        # is that schedule (the lookup itself is never read: schedule() overrides its result)
+        self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 2)
+        self.step_records: deque[StepRecord] = deque(maxlen=self.RECORDS)
+        self.steps_done = 0
+        self._open: tuple[float, int, tuple[int, ...], int, int] | None = None
+
+    def schedule(self, *args, **kwargs):
+        now = time.perf_counter()
+        if self._open is not None:
+            t0, n, verified, k_after, prefill = self._open
+            self.step_records.append(StepRecord(n, verified, k_after, prefill, now - t0))
+            self.steps_done += 1
+            self._open = None
+        drafting = [r for r in self.running if r.spec_token_ids and not r.is_prefill_chunk]
+        live = [r.request_id for r in self.running]
+        self.controller.forget(live)
+        ks, k_next = self.controller.decide(live)
+        for r in drafting:
+            k = ks.get(r.request_id, 0)
+            if len(r.spec_token_ids) > k:
+                r.spec_token_ids = r.spec_token_ids[:k]  # a new list: async scheduling shares its placeholders
+        out = super().schedule(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            out.num_spec_tokens_to_schedule = k_next
+            spec = out.scheduled_spec_decode_tokens
+            decoding = [r for r, n in out.num_scheduled_tokens.items() if n == 1 + len(spec.get(r, ()))]
+            prefill = out.total_num_scheduled_tokens - sum(out.num_scheduled_tokens[r] for r in decoding)
+            self._open = (now, len(decoding), tuple(len(spec.get(r, ())) for r in decoding), k_next, prefill)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        sampled = model_runner_output.sampled_token_ids
+        if sampled:
+            index = model_runner_output.req_id_to_index
+            for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+                i = index.get(req_id)
+                if i is not None and drafts and sampled[i]:
+                    self.controller.observe(req_id, len(drafts), min(len(sampled[i]) - 1, len(drafts)))
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+
+class AdaptiveDraftScheduler(_DraftControl, Scheduler):
+    """vLLM's scheduler with an adaptree controller deciding the drafts."""
+
+
+class AdaptiveDraftAsyncScheduler(_DraftControl, AsyncScheduler):
+    """vLLM's async scheduler with an adaptree controller deciding the drafts."""

@@ -1,0 +1,99 @@
+"""The draft-length controllers adaptree's vLLM scheduler asks (adaptree.vllm_plugin.control): plain Python, no vLLM."""
+
+import json
+
+import pytest
+
+from adaptree.vllm_plugin.control import (
+    Acceptance,
+    CostAwareLength,
+    FixedLength,
+    StepCosts,
+    build_controller,
+)
+
+
+# A compute-bound CPU: a step costs 10 ms + 6 ms per verified row; drafting costs 1 ms per draft step per request.
+def _costs(batch_sizes=(1, 4, 16), k_max=5, base=0.010, row=0.006, draft=0.001):
+    return StepCosts(list(batch_sizes), [[base + row * b * (1 + k) + draft * b * k for k in range(k_max + 1)]
+                                         for b in batch_sizes])
+
+
+def test_step_costs_interpolate_in_the_batch_and_refuse_bad_tables(tmp_path):
+    c = _costs()
+    assert c.k_max == 5
+    assert c.time(4, 2) == pytest.approx(0.010 + 0.006 * 12 + 0.008)
+    assert c.time(2, 0) == pytest.approx(c.time(1, 0) + (c.time(4, 0) - c.time(1, 0)) / 3)  # linear in B
+    assert c.time(1, 0) < c.time(2, 0) < c.time(4, 0)
+    assert c.time(32, 1) > c.time(16, 1)  # extrapolated at the last slope
+    c.save(tmp_path / "c.json")
+    assert StepCosts.load(tmp_path / "c.json") == c
+    with pytest.raises(ValueError, match="K 6"):
+        c.time(1, 6)
+    with pytest.raises(ValueError, match="increasing"):
+        StepCosts([4, 1], [[1.0], [1.0]])
+    with pytest.raises(ValueError, match="B=1, K=1 must be a positive number, got -1"):
+        StepCosts([1], [[1.0, -1]])
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "adaptree-vllm-step-costs/1", "batch_sizes": [1],
+                                                   "seconds": [[0.1]], "extra": 1}))
+    with pytest.raises(ValueError, match=r"unknown fields \['extra'\]"):
+        StepCosts.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a vLLM step-cost file"):
+        StepCosts.load(tmp_path / "other.json")
+
+
+def test_acceptance_counts_each_position_once_reached():
+    a = Acceptance(3, prior=(0.5, 0.5, 0.5), strength=0.0001)
+    a.observe(3, 1)  # position 0 accepted, 1 rejected, 2 never reached
+    a.observe(3, 3)
+    assert (a.reached, a.accepted) == ([2, 2, 1], [2, 1, 1])
+    assert a.rate(0) == pytest.approx(1.0, abs=1e-3) and a.rate(1) == pytest.approx(0.5, abs=1e-3)
+    assert a.survival(3) == pytest.approx([1.0, 0.5, 0.5], abs=1e-3)
+    with pytest.raises(ValueError, match="accepted 4 of 3"):
+        a.observe(3, 4)
+    child = Acceptance(3, prior=a)  # a request's estimate starts at the batch's
+    assert child.rate(1) == pytest.approx(a.rate(1))
+
+
+def _warm(ctl, requests, drafted, accepted, times=50):
+    for _ in range(times):
+        for r in requests:
+            ctl.observe(r, drafted, accepted)
+
+
+def test_costaware_drafts_at_one_stream_and_backs_off_under_load():
+    """Rows are cheap next to a step's fixed cost at one request and cost nearly a token each at 16: the same
+    acceptance earns drafts at B=1 and none at B=16."""
+    ctl = CostAwareLength(_costs(base=0.030, row=0.002))
+    _warm(ctl, ["a"], 5, 2)  # per position: 1, 1, then rejected
+    ks, k = ctl.decide(["a"])
+    assert k >= 2 and ks["a"] >= 2
+    load = CostAwareLength(_costs(base=0.002, row=0.006))
+    many = [f"r{i}" for i in range(16)]
+    _warm(load, many, 5, 1, times=10)
+    ks, k = load.decide(many)
+    assert k == 0 and set(ks.values()) == {0}
+
+
+def test_costaware_trims_the_requests_that_do_not_accept():
+    ctl = CostAwareLength(_costs(base=0.030, row=0.004))
+    _warm(ctl, ["good"], 5, 5)
+    _warm(ctl, ["bad"], 5, 0)
+    ks, k = ctl.decide(["good", "bad"])
+    assert k >= 3 and ks["good"] == k and ks["bad"] < ks["good"]
+    ctl.forget(["good"])
+    assert set(ctl.requests) == {"good"}
+
+
+def test_fixed_and_settings():
+    assert FixedLength(3).decide(["a", "b"]) == ({"a": 3, "b": 3}, 3)
+    assert isinstance(build_controller({"controller": "fixed", "k": 2}, 5), FixedLength)
+    with pytest.raises(ValueError, match=r"integer in 0..5 .*got 7"):
+        build_controller({"controller": "fixed", "k": 7}, 5)
+    with pytest.raises(ValueError, match="needs additional_config"):
+        build_controller({"controller": "costaware"}, 5)
+    with pytest.raises(ValueError, match="must be one of .*got 'ltd'"):
+        build_controller({"controller": "ltd"}, 5)
+    with pytest.raises(ValueError, match=r"unknown settings \['kk'\]"):
+        build_controller({"kk": 1}, 5)
