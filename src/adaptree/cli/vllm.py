@@ -1,6 +1,15 @@
-"""``adaptree export-head``: a head as the EAGLE-3 drafter vLLM loads (docs/vllm.md)."""
+"""``adaptree export-head``: a head as the EAGLE-3 drafter vLLM loads; ``adaptree vllm-bench``: vLLM's arms and
+adaptree's controllers inside vLLM at 1 and more streams (docs/vllm.md)."""
 
 from __future__ import annotations
+
+from adaptree.cli.common import ConfigFlags
+
+
+def _bench_flags() -> ConfigFlags:
+    from adaptree.vllm_plugin.bench import VllmBenchConfig
+
+    return ConfigFlags(VllmBenchConfig)
 
 
 def register(sub) -> None:
@@ -15,6 +24,10 @@ def register(sub) -> None:
     e.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="bfloat16",
                    help="the floating tensors' dtype, also the target folder's for a GGUF model (default bfloat16)")
     e.set_defaults(func=cmd_export_head)
+    b = sub.add_parser("vllm-bench", help="vLLM plain, n-gram, EAGLE-3 with adaptree's head and adaptree's "
+                                          "controllers inside vLLM, at 1 and more streams (needs adaptree[vllm])")
+    _bench_flags().add(b)
+    b.set_defaults(func=cmd_vllm_bench)
 
 
 def cmd_export_head(args) -> int:
@@ -23,4 +36,13 @@ def cmd_export_head(args) -> int:
     out, target = export_for_vllm(args.out, model=args.model, head=args.head, dtype=EXPORT_DTYPES[args.dtype])
     print(f"wrote {out}\nin vLLM: LLM(model={str(target)!r}, speculative_config={{\"method\": \"eagle3\", "
           f"\"model\": {str(out)!r}, \"num_speculative_tokens\": 3}})")
+    return 0
+
+
+def cmd_vllm_bench(args) -> int:
+    from adaptree.vllm_plugin.bench import run_vllm_bench, table
+
+    summary = run_vllm_bench(_bench_flags().build(args))
+    print(table(summary))
+    print(f"results in {args.out}")
     return 0

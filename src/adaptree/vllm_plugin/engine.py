@@ -31,9 +31,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def cpu_environment(threads: int | None = None, kv_cache_gib: float = 2.0) -> dict[str, str]:
+def cpu_environment(threads: int | None = None, kv_cache_gib: float = 2.0, in_process: bool = True) -> dict[str, str]:
     """The environment variables adaptree sets for vLLM's CPU backend (only those not set already); applied to
-    ``os.environ`` and returned."""
+    ``os.environ`` and returned. ``in_process=False`` (the plugin's default for any vLLM, ``vllm serve`` too) leaves
+    vLLM's engine-core process alone."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if threads is not None:
         if not 1 <= threads <= len(cores):
@@ -43,9 +44,10 @@ def cpu_environment(threads: int | None = None, kv_cache_gib: float = 2.0) -> di
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "OMP_NUM_THREADS": str(len(cores)),
     }
+    if in_process:
+        wanted["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     set_now = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(set_now)
     return set_now

@@ -1,0 +1,90 @@
+"""adaptree inside real vLLM (docs/vllm.md): the exported head and adaptree's scheduler keep vLLM's greedy text, on the
+real default model in float32. Skipped where vLLM is not installed (``bash scripts/setup.sh --vllm``; CI's second
+pass installs it)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from adaptree.bench.isolation import ArmRecipe, ArmWorker
+from adaptree.core.verify import SamplingConfig
+from adaptree.vllm_plugin.control import StepCosts
+from adaptree.vllm_plugin.engine import vllm_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (bash scripts/setup.sh --vllm)")]
+
+QUESTIONS = ["Explain what a KV cache is in two sentences.",
+             "Write a Python function that returns the n-th Fibonacci number.",
+             "Name three prime numbers and say why they are prime."]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from adaptree.models import default_model_path, load_model
+    from adaptree.vllm_plugin.export import export_for_vllm
+
+    try:
+        default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("vllm")
+    head, target = export_for_vllm(root / "head", dtype=torch.float32)
+    _, tok = load_model(None, torch.float32)
+    prompts = [tok.apply_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    # rows nearly free at one request, a whole token's time each from three on: the controller drafts at B=1 and
+    # backs off at B=3, so both of its decisions run
+    costs = StepCosts([1, 3], [[0.030 + 0.001 * k for k in range(4)], [0.030 + 0.030 * k for k in range(4)]])
+    costs.save(root / "costs.json")
+    return target, head, prompts, root / "costs.json"
+
+
+def _run(setup, arms, batches):
+    from adaptree.vllm_plugin.bench import build_arms
+
+    target, head, _, costs = setup
+    out = {}
+    for arm in arms:
+        worker = ArmWorker(ArmRecipe(build_arms, {"target": str(target), "model": None, "head_export": str(head),
+                                                  "head": None, "dtype": "float32", "threads": None,
+                                                  "max_num_seqs": 4, "step_costs": str(costs)}), [arm])
+        try:
+            out[arm] = [worker.run(arm, b, 48, SamplingConfig()) for b in batches]
+        finally:
+            worker.close()
+    return out
+
+
+def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
+    _, _, prompts, _ = setup
+    batches = [[p] for p in prompts] + [prompts]  # one stream each, then three at once
+    runs = _run(setup, ["vllm", "vllm_eagle3:3", "vllm_costaware:3"], batches)
+    for arm in ("vllm_eagle3:3", "vllm_costaware:3"):
+        for got, ref in zip(runs[arm], runs["vllm"]):
+            assert got.outputs == ref.outputs, arm
+    single = [r for r in runs["vllm_costaware:3"][:3]]
+    assert sum(r.draft_tokens for r in single) > 0 and sum(r.accepted_tokens for r in single) > 0
+    # at three streams the costs make every row cost a token: adaptree's scheduler drafts less than a fixed K=3
+    crowded, fixed = runs["vllm_costaware:3"][3], runs["vllm_eagle3:3"][3]
+    assert crowded.draft_tokens < fixed.draft_tokens / 2
+
+
+def test_the_plugin_is_registered_and_sets_vllms_cpu_threads(monkeypatch):
+    from adaptree.vllm_plugin import register
+
+    names = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert names.get("adaptree") == "adaptree.vllm_plugin:register"
+    for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    register()
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"  # the user's setting stays
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # vllm serve keeps its engine-core process
