@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
 
 
 def _run(setup, arms, batches):
-    from adaptree.vllm_plugin.bench import build_arms
+    from adaptree.bench.vllm_bench import build_arms
 
     target, head, _, costs = setup
     out = {}

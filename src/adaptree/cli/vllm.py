@@ -7,7 +7,7 @@ from adaptree.cli.common import ConfigFlags
 
 
 def _bench_flags() -> ConfigFlags:
-    from adaptree.vllm_plugin.bench import VllmBenchConfig
+    from adaptree.bench.vllm_bench import VllmBenchConfig
 
     return ConfigFlags(VllmBenchConfig)
 
@@ -40,7 +40,7 @@ def cmd_export_head(args) -> int:
 
 
 def cmd_vllm_bench(args) -> int:
-    from adaptree.vllm_plugin.bench import run_vllm_bench, table
+    from adaptree.bench.vllm_bench import run_vllm_bench, table
 
     summary = run_vllm_bench(_bench_flags().build(args))
     print(table(summary))

@@ -6,7 +6,7 @@
 - :mod:`~adaptree.vllm_plugin.scheduler`: vLLM's scheduler asking a controller before every step
   (``scheduler_cls``); the only module here that imports vLLM at the top.
 - :mod:`~adaptree.vllm_plugin.engine`: a ``vllm.LLM`` with adaptree's settings, batches, the step-cost measurement.
-- :mod:`~adaptree.vllm_plugin.bench`: ``adaptree vllm-bench``.
+- :mod:`~adaptree.bench.vllm_bench`: ``adaptree vllm-bench``.
 
 :func:`register` is vLLM's general plugin entry point (``vllm.general_plugins`` in pyproject.toml): vLLM calls it in
 each of its processes once adaptree is installed beside it.

@@ -7,7 +7,7 @@ for vLLM's CPU backend, each only where the user has not set it:
 - ``VLLM_CPU_OMP_THREADS_BIND``: the cores this process may run on (``os.sched_getaffinity``), or the first
   ``threads`` of them; vLLM's own default on a 2-core machine bound one thread;
 - ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM reserves a core for its front end otherwise) and
-  ``VLLM_CPU_KVCACHE_SPACE`` (GiB; 2 by default: 90k tokens of SmolLM2's cache);
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB; 1 by default: 45k tokens of SmolLM2's cache, 87k of Qwen2.5-Coder-0.5B's);
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core in this process, so the bench reads its scheduler's step
   records and a worker process of the bench hosts one engine, not two processes.
 """
@@ -31,7 +31,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def cpu_environment(threads: int | None = None, kv_cache_gib: float = 2.0, in_process: bool = True) -> dict[str, str]:
+def cpu_environment(threads: int | None = None, kv_cache_gib: float = 1.0, in_process: bool = True) -> dict[str, str]:
     """The environment variables adaptree sets for vLLM's CPU backend (only those not set already); applied to
     ``os.environ`` and returned. ``in_process=False`` (the plugin's default for any vLLM, ``vllm serve`` too) leaves
     vLLM's engine-core process alone."""

@@ -120,26 +120,28 @@ class _VllmBatchArm:
 class _ChainArm:
     """adaptree's engine with a chain of K drafts (static W=1, depth K, V=K), one prompt at a time."""
 
-    def __init__(self, model: str | None, head: str, k: int, dtype: str, threads: int | None) -> None:
+    def __init__(self, model: str | None, head: str, k: int, dtype: str) -> None:
         import torch
 
-        import adaptree
+        from adaptree.core.engine import Engine
+        from adaptree.methods import StaticConfig, StaticController
+        from adaptree.models import load_model
+        from adaptree.models.eagle3 import Eagle3Head
 
-        if threads:
-            torch.set_num_threads(threads)
+        target, tok = load_model(model, getattr(torch, dtype))
+        self.engine = Engine(target, Eagle3Head.from_pretrained(head, target=target), tok.eos_token_ids)
+        self.controller = StaticController(StaticConfig(width=1, depth=k, size=k))
         self.k = k
-        self.pipe = adaptree.load(model, head=head, dtype=dtype, weights="float", compile="off", adapt=False)
 
     def __call__(self, prompts, max_new_tokens: int, sampling: SamplingConfig) -> BatchResult:
         outs, lat, cycles, accepted = [], [], 0, 0
         t0 = time.perf_counter()
         for p in prompts:
-            g = self.pipe.generate(list(p), "static", max_new_tokens=max_new_tokens, sampling=sampling, chat=False,
-                                   width=1, depth=self.k, size=self.k)
-            outs.append(list(g.token_ids))
-            lat.append(g.result.wall_time_s)
-            cycles += len(g.result.cycles)
-            accepted += sum(c.accepted for c in g.result.cycles)
+            res = self.engine.generate(list(p), self.controller, max_new_tokens=max_new_tokens, sampling=sampling)
+            outs.append(list(res.token_ids))
+            lat.append(res.wall_time_s)
+            cycles += len(res.cycles)
+            accepted += sum(c.accepted for c in res.cycles)
         return BatchResult(outs, time.perf_counter() - t0, lat, drafts=cycles, draft_tokens=cycles * self.k,
                            accepted_tokens=accepted, steps=cycles)
 
@@ -151,7 +153,7 @@ def build_arms(methods: Sequence[str], target: str, model: str | None, head_expo
     for m in methods:
         kind, k = parse_arm(m)
         if kind == "adaptree_chain":
-            arms[m] = _ChainArm(model, head, k, dtype, threads)
+            arms[m] = _ChainArm(model, head, k, dtype)
         else:
             arms[m] = _VllmBatchArm(target, vllm_arm(m, head_export, step_costs), dtype, threads, max_num_seqs)
     return arms
