@@ -52,7 +52,7 @@ def _run(setup, arms, batches):
                                                   "head": None, "dtype": "float32", "threads": None,
                                                   "max_num_seqs": 4, "step_costs": str(costs)}), [arm])
         try:
-            out[arm] = [worker.run(arm, b, 48, SamplingConfig()) for b in batches]
+            out[arm] = [worker.run(arm, (b, len(b)), 48, SamplingConfig()) for b in batches]
         finally:
             worker.close()
     return out

@@ -97,3 +97,13 @@ def test_fixed_and_settings():
         build_controller({"controller": "ltd"}, 5)
     with pytest.raises(ValueError, match=r"unknown settings \['kk'\]"):
         build_controller({"kk": 1}, 5)
+
+
+def test_step_cost_rows_are_fitted_lines_that_never_fall_with_k():
+    from adaptree.vllm_plugin.engine import _line
+
+    assert _line([10.0, 12.0, 14.0]) == pytest.approx([10.0, 12.0, 14.0])
+    noisy = _line([32.7, 27.2, 30.7, 36.7, 46.4, 50.0])  # medians measured at B=2 on a shared 2-core EPYC
+    assert all(b > a for a, b in zip(noisy, noisy[1:]))
+    assert sum(noisy) == pytest.approx(32.7 + 27.2 + 30.7 + 36.7 + 46.4 + 50.0)
+    assert _line([5.0, 4.0, 3.0]) == pytest.approx([4.0, 4.0, 4.0])  # slope clamped at 0

@@ -4,9 +4,11 @@ with adaptree's controllers deciding the drafts, at 1 and more streams, side by 
 Every arm is one ``vllm.LLM`` in a worker process of its own (:class:`adaptree.bench.isolation.ArmWorker`: vLLM keeps
 process-wide state, and a crash costs that arm only), all loaded before the first timing and served in turn. For
 each number of streams N the prompts (token ids of the chat template, the same for every arm) are cycled into
-batches of N requests submitted together; the arms run each batch one after the other, their order rotated from
-one batch to the next. Per batch: total tokens per second, each request's latency, vLLM's own acceptance counters
-(τ = 1 + accepted / drafts) and the token ids, compared with the plain arm's (greedy: lossless means equal).
+``max(2N, prompts)`` requests, submitted together with at most N running at once (continuous batching: the next is
+admitted as one finishes, as a server with N clients runs); the arms run each such set one after the other, their
+order rotated from one set to the next. Per set: total tokens per second, each request's latency from admission,
+vLLM's own acceptance counters (τ = 1 + accepted / drafts) and the token ids, compared with the plain arm's
+(greedy: lossless means equal).
 
 ``adaptree_chain:K`` (no vLLM) is adaptree's own engine drafting a chain of K with the same head on the same prompts,
 one at a time: its τ is what vLLM's EAGLE-3 at K is checked against (the export reproduces the head when they agree
@@ -103,7 +105,7 @@ def vllm_arm(name: str, head: str, step_costs: str | None) -> Arm:
 
 
 class _VllmBatchArm:
-    """A vLLM arm in a worker: ``arm(prompts, max_new_tokens, sampling) -> BatchResult``."""
+    """A vLLM arm in a worker: ``arm((prompts, streams), max_new_tokens, sampling) -> BatchResult``."""
 
     def __init__(self, target: str, arm: Arm, dtype: str, threads: int | None, max_num_seqs: int) -> None:
         from adaptree.vllm_plugin.engine import generate_batch, make_llm
@@ -112,9 +114,10 @@ class _VllmBatchArm:
         self._generate = generate_batch
         self._generate(self.llm, [[1, 2, 3]], 8)  # warm-up
 
-    def __call__(self, prompts, max_new_tokens: int, sampling: SamplingConfig) -> BatchResult:
+    def __call__(self, run, max_new_tokens: int, sampling: SamplingConfig) -> BatchResult:
+        prompts, streams = run
         return self._generate(self.llm, prompts, max_new_tokens, temperature=sampling.temperature or 0.0,
-                              seed=sampling.seed or 0)
+                              seed=sampling.seed or 0, streams=streams)
 
 
 class _ChainArm:
@@ -133,7 +136,8 @@ class _ChainArm:
         self.controller = StaticController(StaticConfig(width=1, depth=k, size=k))
         self.k = k
 
-    def __call__(self, prompts, max_new_tokens: int, sampling: SamplingConfig) -> BatchResult:
+    def __call__(self, run, max_new_tokens: int, sampling: SamplingConfig) -> BatchResult:
+        prompts, _ = run  # one at a time, whatever the streams: adaptree's engine serves one
         outs, lat, cycles, accepted = [], [], 0, 0
         t0 = time.perf_counter()
         for p in prompts:
@@ -159,11 +163,10 @@ def build_arms(methods: Sequence[str], target: str, model: str | None, head_expo
     return arms
 
 
-def _batches(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
-    """``prompts`` cycled into batches of ``n`` (at least one pass over all of them, whole batches only)."""
-    count = -(-max(n, len(prompts)) // n) * n
-    cycled = [prompts[i % len(prompts)] for i in range(count)]
-    return [cycled[i:i + n] for i in range(0, count, n)]
+def _requests(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The requests of an N-stream run: ``prompts`` cycled to ``max(2N, len(prompts))`` of them, so that N streams
+    stay busy while most of them run (the last requests run with fewer beside them, as a server's queue drains)."""
+    return [prompts[i % len(prompts)] for i in range(max(2 * n, len(prompts)))]
 
 
 def _summary(records: list[dict], arms: list[str], streams: list[int]) -> dict:
@@ -279,8 +282,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     workers = {a: ArmWorker(ArmRecipe(build_arms, {
         "target": str(target), "model": cfg.model, "head_export": str(exported), "head": head, "dtype": cfg.dtype,
         "threads": cfg.threads, "max_num_seqs": max(cfg.streams), "step_costs": step_costs}), [a]) for a in cfg.arms}
-    plan = [(rep, n, b, batch) for rep in range(cfg.repeats) for n in cfg.streams
-            for b, batch in enumerate(_batches(prompts, n))]
+    plan = [(rep, n, 0, _requests(prompts, n)) for rep in range(cfg.repeats) for n in cfg.streams]
     todo = sum(1 for rep, n, b, _ in plan for a in cfg.arms if (a, n, b, rep) not in done)
     sampling = SamplingConfig(seed=0)
     try:
@@ -293,7 +295,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                 for a in order:
                     if (a, n, b, rep) in done or workers[a].dead:
                         continue
-                    res = workers[a].run(a, batch, cfg.max_new_tokens, sampling)
+                    res = workers[a].run(a, (batch, n), cfg.max_new_tokens, sampling)
                     rec = {"arm": a, "streams": n, "batch": b, "repeat": rep, "tokens": res.tokens,
                            "wall_s": res.wall_s, "latencies_s": res.latencies_s, "drafts": res.drafts,
                            "draft_tokens": res.draft_tokens, "accepted_tokens": res.accepted_tokens,

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 VLLM_ARM_PREFIX = "vllm"
-SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
+SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"
+"""With async scheduling (vLLM's default where the executor has it, as for the plain and fixed-K arms beside it):
+the scheduler plans step t+1 while step t runs."""
 
 
 def vllm_available() -> bool:
@@ -75,7 +77,7 @@ def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 
     if arm.adaptree is not None:
         if arm.spec is None:
             raise ValueError(f"arm {arm.name}: adaptree's controller decides drafts; the arm needs a speculative_config")
-        kwargs.update(scheduler_cls=SCHEDULER, async_scheduling=False,
+        kwargs.update(scheduler_cls=SCHEDULER, async_scheduling=True,
                       additional_config={"adaptree": dict(arm.adaptree)})
     return LLM(model=str(target), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                max_num_seqs=max_num_seqs, disable_log_stats=False, **kwargs)
@@ -108,6 +110,7 @@ class BatchResult:
     outputs: list[list[int]]
     wall_s: float
     latencies_s: list[float]
+    """Per request, from its admission to its last token."""
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -131,8 +134,10 @@ class BatchResult:
 
 
 def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                   seed: int = 0, eos: bool = True) -> BatchResult:
-    """``prompts`` (token ids) submitted together; greedy unless ``temperature`` > 0."""
+                   seed: int = 0, eos: bool = True, streams: int | None = None) -> BatchResult:
+    """``prompts`` (token ids) submitted together; greedy unless ``temperature`` > 0. ``streams``: at most that many
+    requests run at once, the next admitted as one finishes (continuous batching, as a server with that many
+    clients runs; vLLM's scheduler's admission limit for the call); default: all at once."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -141,26 +146,35 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     before = _spec_counters(llm)
     sched = scheduler_of(llm)
     steps_before = getattr(sched, "steps_done", 0)
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    admitted = sched.max_num_active_reqs
+    if streams is not None:
+        if not 1 <= streams <= sched.max_num_running_reqs:
+            raise ValueError(f"streams must be in 1..{sched.max_num_running_reqs} (max_num_seqs), got {streams}")
+        sched.max_num_active_reqs = streams
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    finally:
+        sched.max_num_active_reqs = admitted
     after = _spec_counters(llm)
     latencies = []
     for o in outs:
         m = o.metrics
-        ok = m is not None and getattr(m, "last_token_ts", 0) and getattr(m, "queued_ts", 0)
-        latencies.append(float(m.last_token_ts - m.queued_ts) if ok else wall)
+        ok = m is not None and getattr(m, "last_token_ts", 0) and getattr(m, "scheduled_ts", 0)
+        latencies.append(float(m.last_token_ts - m.scheduled_ts) if ok else wall)  # from admission: no queueing
     return BatchResult([list(o.outputs[0].token_ids) for o in outs], wall, latencies,
                        *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before)
 
 
 def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
                        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), k_max: int = 5, dtype: str = "bfloat16",
-                       new_tokens: int = 24, repeats: int = 2, threads: int | None = None, progress=None):
+                       new_tokens: int = 32, repeats: int = 2, threads: int | None = None, progress=None):
     """vLLM's step time at each batch size x K = 0..k_max drafts (:class:`~adaptree.vllm_plugin.control.StepCosts`): B
     requests (``prompts`` cycled) decode ``new_tokens`` each under a fixed K, and the steps in which all B decoded,
     each verifying K drafts and drafting K more, are timed by adaptree's scheduler; the median over ``repeats``
-    interleaved passes. ``progress(done, total)`` is called after each run."""
+    interleaved passes, then per batch size the least-squares line over K (the raw medians are kept in the profile
+    as ``measured_seconds``). ``progress(done, total)`` is called after each run."""
     import statistics
 
     from adaptree.core.machine import machine_profile
@@ -202,5 +216,18 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
         profile["vllm"] = vllm.__version__
     except (ImportError, AttributeError):
         pass
-    return StepCosts(list(batch_sizes), [[statistics.median(times[(b, k)]) for k in range(k_max + 1)]
-                                         for b in batch_sizes], profile)
+    measured = [[statistics.median(times[(b, k)]) for k in range(k_max + 1)] for b in batch_sizes]
+    profile["measured_seconds"] = measured
+    return StepCosts(list(batch_sizes), [_line(row) for row in measured], profile)
+
+
+def _line(row: Sequence[float]) -> list[float]:
+    """The least-squares line through a batch size's step times over K = 0, 1, ... (slope at least 0): a step's
+    time grows with its rows, and a single median's noise (a few ms on a shared machine) must not make K=1 look
+    cheaper than K=0."""
+    n = len(row)
+    if n == 1:
+        return list(row)
+    mk, mt = (n - 1) / 2, sum(row) / n
+    slope = max(sum((k - mk) * (t - mt) for k, t in enumerate(row)) / sum((k - mk) ** 2 for k in range(n)), 0.0)
+    return [max(mt + slope * (k - mk), 1e-6) for k in range(n)]

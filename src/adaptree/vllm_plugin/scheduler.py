@@ -11,8 +11,8 @@ the same as without drafts (lossless), only the work per step changes.
 It also records each step's wall time (schedule to schedule: forward, sampling, drafting, bookkeeping) with the
 batch it ran, which :func:`adaptree.vllm_plugin.engine.measure_step_costs` turns into the controller's cost table.
 
-Enable it with ``scheduler_cls="adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"`` (or ``...AsyncScheduler`` under
-async scheduling), ``speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K_MAX}`` and
+Enable it with ``scheduler_cls="adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"`` and
+``async_scheduling=True`` (vLLM's default where it can; or ``...AdaptiveDraftScheduler`` with it off), ``speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K_MAX}`` and
 ``additional_config={"adaptree": {"controller": "costaware", "step_costs": PATH}}``:
 :func:`adaptree.vllm_plugin.engine.make_llm` sets all three.
 """
@@ -56,8 +56,9 @@ class _DraftControl:
             raise ValueError("adaptree's scheduler decides speculative drafts: configure vLLM's speculative_config "
                              "(method eagle3, num_speculative_tokens = the most drafts a step may take)")
         self.controller = build_controller(settings, self.num_spec_tokens)
-        # vLLM pads new decode requests to the full draft length unless a dynamic schedule is set; the controller
-        # is that schedule (the lookup itself is never read: schedule() overrides its result)
+        # vLLM's dynamic speculative decoding reads K from this batch-size lookup; schedule() fills it with the
+        # controller's K before every step (so vLLM also sizes its async placeholders by it, and stops padding new
+        # decode requests to the full draft length)
         self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.scheduler_config.max_num_seqs + 2)
         self.step_records: deque[StepRecord] = deque(maxlen=self.RECORDS)
         self.steps_done = 0
@@ -76,11 +77,11 @@ class _DraftControl:
         ks, k_next = self.controller.decide(live)
         for r in drafting:
             k = ks.get(r.request_id, 0)
-            if len(r.spec_token_ids) > k:
+            if len(r.spec_token_ids) > k:  # never more than were drafted (under async scheduling: placeholders)
                 r.spec_token_ids = r.spec_token_ids[:k]  # a new list: async scheduling shares its placeholders
+        self.dynamic_sd_lookup = [k_next] * len(self.dynamic_sd_lookup)
         out = super().schedule(*args, **kwargs)
         if out.num_scheduled_tokens:
-            out.num_spec_tokens_to_schedule = k_next
             spec = out.scheduled_spec_decode_tokens
             decoding = [r for r, n in out.num_scheduled_tokens.items() if n == 1 + len(spec.get(r, ()))]
             prefill = out.total_num_scheduled_tokens - sum(out.num_scheduled_tokens[r] for r in decoding)
