@@ -208,7 +208,9 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
     if missing:
         raise RuntimeError(f"no pure decode step was timed at (B, K) = {missing}; raise new_tokens")
     profile = machine_profile()
-    profile.update({"engine": "vllm", "target": str(target), "head": str(head), "dtype": dtype,
+    # the folders by their last parts (a cached model's sha and dtype): no machine's paths in a committed file
+    profile.update({"engine": "vllm", "target": "/".join(Path(target).parts[-3:]),
+                    "head": "/".join(Path(head).parts[-2:]), "dtype": dtype,
                     "threads": os.environ.get("OMP_NUM_THREADS")})
     try:
         import vllm
