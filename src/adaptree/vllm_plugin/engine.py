@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,6 @@ class BatchResult:
     accepted_tokens: int = 0
     steps: int = 0
     """Engine steps (adaptree's scheduler counts them; 0 under vLLM's own)."""
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
