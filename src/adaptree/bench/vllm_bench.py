@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from adaptree.bench.isolation import ArmRecipe, ArmWorker, start
+from adaptree.bench.isolation import ArmFailed, ArmRecipe, ArmWorker, start
 from adaptree.core.config import positive
 from adaptree.core.verify import SamplingConfig
 from adaptree.vllm_plugin.engine import Arm, BatchResult
@@ -243,11 +244,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
         if found is None:
             raise ValueError(f"adaptree ships no head for {cfg.model!r}; pass --head")
         head = str(found)
-    torch_dtype = {"bfloat16": "bfloat16", "float32": "float32"}[cfg.dtype]
     import torch
 
-    exported, target = export_for_vllm(out / "head-vllm", cfg.model, head, getattr(torch, torch_dtype))
-    _, tok = load_model(cfg.model, getattr(torch, torch_dtype))
+    exported, target = export_for_vllm(out / "head-vllm", cfg.model, head, getattr(torch, cfg.dtype))
+    _, tok = load_model(cfg.model, getattr(torch, cfg.dtype))
     prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
                for _, ps in load_prompt_sets(cfg.datasets, limit=cfg.limit) for p in ps]
     step_costs = cfg.step_costs
@@ -295,7 +295,11 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                 for a in order:
                     if (a, n, b, rep) in done or workers[a].dead:
                         continue
-                    res = workers[a].run(a, (batch, n), cfg.max_new_tokens, sampling)
+                    try:
+                        res = workers[a].run(a, (batch, n), cfg.max_new_tokens, sampling)
+                    except ArmFailed as exc:  # that arm is dropped; the others, the records and the summary go on
+                        tqdm.write(f"vllm-bench: arm {a} dropped: {exc}", file=sys.stderr)
+                        continue
                     rec = {"arm": a, "streams": n, "batch": b, "repeat": rep, "tokens": res.tokens,
                            "wall_s": res.wall_s, "latencies_s": res.latencies_s, "drafts": res.drafts,
                            "draft_tokens": res.draft_tokens, "accepted_tokens": res.accepted_tokens,
