@@ -225,9 +225,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     from adaptree.core.machine import machine_profile
     from adaptree.data.prompts import load_prompt_sets
     from adaptree.models import load_model
-    from adaptree.models.assets import shipped_head
     from adaptree.vllm_plugin.engine import vllm_available
-    from adaptree.vllm_plugin.export import export_for_vllm
+    from adaptree.vllm_plugin.export import export_for_vllm, resolve_head
 
     kinds = {parse_arm(a)[0] for a in cfg.arms}
     if kinds - {"adaptree_chain"} and not vllm_available():
@@ -238,12 +237,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     settings_path = out / "vllm_bench_config.json"
     if settings_path.exists() and json.loads(settings_path.read_text()).get("settings") != settings:
         raise ValueError(f"{out} holds results of other settings ({settings_path}); choose another --out")
-    head = cfg.head
-    if head == "auto":
-        found = shipped_head(cfg.model)
-        if found is None:
-            raise ValueError(f"adaptree ships no head for {cfg.model!r}; pass --head")
-        head = str(found)
+    head = str(resolve_head(cfg.model, cfg.head))
     import torch
 
     exported, target = export_for_vllm(out / "head-vllm", cfg.model, head, getattr(torch, cfg.dtype))

@@ -33,7 +33,7 @@ STEP_COSTS_FORMAT = "adaptree-vllm-step-costs/1"
 class StepCosts:
     """vLLM's wall time of one engine step (target forward, rejection sampling, drafting, bookkeeping) with
     ``B`` decoding requests each verifying ``K`` drafts and drafting ``K`` more: ``seconds[b][k]`` at
-    ``batch_sizes[b]`` and ``K = ks[k]`` (``ks`` = 0..K_max). Between measured batch sizes the time is linear in
+    ``batch_sizes[b]`` and ``K = k`` (0..K_max). Between measured batch sizes the time is linear in
     B; past the largest it grows at the last interval's slope (the forward is compute-bound there)."""
 
     batch_sizes: list[int]

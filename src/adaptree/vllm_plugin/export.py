@@ -107,13 +107,19 @@ def export_for_vllm(out: str | os.PathLike, model: str | os.PathLike | None = No
     """``adaptree export-head``: the drafter folder ``out`` for ``model``'s head (``"auto"``: the one adaptree
     ships for a registered model) and the target folder vLLM loads next to it (converted on first use for a GGUF
     model). Returns ``(out, target folder)``."""
-    from adaptree.models.assets import shipped_head
-
-    if head == "auto":
-        found = shipped_head(model)
-        if found is None:
-            raise ValueError(f"adaptree ships no head for model {str(model)!r}; pass --head FOLDER "
-                             "(adaptree train-head trains one)")
-        head = found
+    head = resolve_head(model, head)
     folder = target_folder(model, dtype)
     return export_head(head, target_config(folder), out, dtype), folder
+
+
+def resolve_head(model: str | os.PathLike | None, head: str | os.PathLike) -> Path:
+    """``head``, or for ``"auto"`` the head adaptree ships for ``model`` (a ValueError naming the model if none)."""
+    from adaptree.models.assets import shipped_head
+
+    if head != "auto":
+        return Path(head)
+    found = shipped_head(model)
+    if found is None:
+        raise ValueError(f"adaptree ships no head for model {str(model)!r}; pass --head FOLDER "
+                         "(adaptree train-head trains one)")
+    return found
