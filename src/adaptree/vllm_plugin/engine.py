@@ -27,6 +27,15 @@ SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"
 the scheduler plans step t+1 while step t runs."""
 
 
+def worker_class() -> str:
+    """adaptree's worker for this vLLM's platform (:mod:`adaptree.vllm_plugin.worker`: the drafter off in steps that
+    draft nothing)."""
+    from vllm.platforms import current_platform
+
+    name = "AdaptiveCPUWorker" if current_platform.is_cpu() else "AdaptiveGPUWorker"
+    return f"adaptree.vllm_plugin.worker.{name}"
+
+
 def vllm_available() -> bool:
     import importlib.util
 
@@ -77,7 +86,7 @@ def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 
     if arm.adaptree is not None:
         if arm.spec is None:
             raise ValueError(f"arm {arm.name}: adaptree's controller decides drafts; the arm needs a speculative_config")
-        kwargs.update(scheduler_cls=SCHEDULER, async_scheduling=True,
+        kwargs.update(scheduler_cls=SCHEDULER, worker_cls=worker_class(), async_scheduling=True,
                       additional_config={"adaptree": dict(arm.adaptree)})
     return LLM(model=str(target), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                max_num_seqs=max_num_seqs, disable_log_stats=False, **kwargs)

@@ -1,0 +1,85 @@
+"""vLLM's worker with the drafter off in steps that draft nothing (vLLM's ``worker_cls`` setting; no patched vLLM
+file).
+
+When adaptree's controller decides ``K = 0`` (a full batch, where drafting costs more than it brings), vLLM's
+EAGLE path still runs the drafter's first forward over every scheduled token, to keep the drafter's KV cache in
+step, and returns no drafts: measured on SmolLM2 at 16 streams, that and the rest of the speculative path cost about
+14% of each step against plain decoding (docs/vllm.md). This worker's model runner skips the drafter in such a
+step and only does the bookkeeping vLLM's next step reads (the last valid sampled token per request).
+
+The trade: the drafter's cache keeps no entries for the positions of skipped steps, so drafts made after a busy
+stretch see a context with holes and are accepted less (never wrong: verification is the target's). The controller
+sees that acceptance and drafts accordingly.
+
+Enable it with ``worker_cls="adaptree.vllm_plugin.worker.AdaptiveCPUWorker"`` (``--worker-cls`` for
+``vllm serve``) or ``...AdaptiveGPUWorker`` with vLLM's CUDA build: :func:`adaptree.vllm_plugin.engine.make_llm` sets
+it for every arm with an adaptree controller.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class _IdleDrafterOff:
+    """Mixed into vLLM's model runner: the drafter runs only in steps that draft."""
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        spec = self.speculative_config
+        skip = (scheduler_output.num_spec_tokens_to_schedule == 0 and spec.use_eagle()
+                and not spec.disable_padded_drafter_batch and isinstance(sampled_token_ids, torch.Tensor))
+        if not skip:
+            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        # what the drafter's path hands the next step besides drafts: each request's last valid token and count
+        next_token_ids, valid_counts = self.drafter.prepare_next_token_ids_padded(
+            sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)
+        self._copy_valid_sampled_token_count(next_token_ids, valid_counts)
+        return torch.empty((sampled_token_ids.shape[0], 0), dtype=torch.int64, device=sampled_token_ids.device)
+
+
+def _idle_drafter_off(runner_cls: type) -> type:
+    """``runner_cls`` with the drafter off at K = 0."""
+    return type(f"IdleDrafterOff{runner_cls.__name__}", (_IdleDrafterOff, runner_cls), {})
+
+
+def _warn_v2() -> None:
+    # vLLM's second-generation runner drafts by another path: left as it is, drafting at K = 0 as vLLM does
+    log.warning("adaptree: vLLM's second-generation model runner; the drafter runs in steps that draft nothing")
+
+
+def __getattr__(name: str):
+    # each worker imports its platform's code: built on first use, on the platform that has it
+    if name == "AdaptiveCPUWorker":
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        class Worker(CPUWorker):
+            def init_device(self):
+                super().init_device()  # builds its runner last, before any model is loaded: rebuilt as ours
+                if type(self.model_runner) is CPUModelRunner:
+                    del self.model_runner
+                    self.model_runner = _idle_drafter_off(CPUModelRunner)(self.vllm_config, torch.device("cpu"))
+                else:
+                    _warn_v2()
+    elif name == "AdaptiveGPUWorker":
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_worker import Worker as GPUWorker
+
+        class Worker(GPUWorker):
+            def _make_model_runner(self):
+                if self.use_v2_model_runner:
+                    _warn_v2()
+                    return super()._make_model_runner()
+                return _idle_drafter_off(GPUModelRunner)(self.vllm_config, self.device)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    Worker.__name__ = Worker.__qualname__ = name
+    Worker.__module__ = __name__
+    globals()[name] = Worker
+    return Worker
