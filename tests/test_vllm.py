@@ -70,6 +70,8 @@ def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
     # at three streams the costs make every row cost a token: adaptree's scheduler drafts less than a fixed K=3
     crowded, fixed = runs["vllm_costaware:3"][3], runs["vllm_eagle3:3"][3]
     assert crowded.draft_tokens < fixed.draft_tokens / 2
+    # ... and its worker leaves the drafter off in the steps that draft nothing (vLLM's own runs it in every step)
+    assert crowded.drafter_skips > 0 and fixed.drafter_skips == 0
 
 
 def test_the_plugin_is_registered_and_sets_vllms_cpu_threads(monkeypatch):

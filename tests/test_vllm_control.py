@@ -99,11 +99,14 @@ def test_fixed_and_settings():
         build_controller({"kk": 1}, 5)
 
 
-def test_step_cost_rows_are_fitted_lines_that_never_fall_with_k():
+def test_step_cost_rows_keep_k0_and_fit_a_line_over_the_drafting_ks():
     from adaptree.vllm_plugin.engine import _line
 
-    assert _line([10.0, 12.0, 14.0]) == pytest.approx([10.0, 12.0, 14.0])
-    noisy = _line([32.7, 27.2, 30.7, 36.7, 46.4, 50.0])  # medians measured at B=2 on a shared 2-core EPYC
-    assert all(b > a for a, b in zip(noisy, noisy[1:]))
-    assert sum(noisy) == pytest.approx(32.7 + 27.2 + 30.7 + 36.7 + 46.4 + 50.0)
-    assert _line([5.0, 4.0, 3.0]) == pytest.approx([4.0, 4.0, 4.0])  # slope clamped at 0
+    # the drafter off at K=0, a fixed cost for any drafting on top of one per draft
+    assert _line([10.0, 14.0, 16.0, 18.0]) == pytest.approx([10.0, 14.0, 16.0, 18.0])
+    noisy = _line([27.2, 32.7, 30.7, 36.7, 46.4, 50.0])  # medians measured at B=2 on a shared 2-core EPYC
+    assert noisy[0] == 27.2 and all(b > a for a, b in zip(noisy, noisy[1:]))
+    assert sum(noisy[1:]) == pytest.approx(32.7 + 30.7 + 36.7 + 46.4 + 50.0)  # least squares keeps the mean
+    assert _line([5.0, 6.0, 5.5, 5.0]) == pytest.approx([5.0, 5.5, 5.5, 5.5])  # slope clamped at 0
+    assert _line([5.0, 4.0, 4.0]) == pytest.approx([5.0, 5.0, 5.0])  # drafting never cheaper than not
+    assert _line([5.0, 7.0]) == [5.0, 7.0]

@@ -102,6 +102,15 @@ def scheduler_of(llm):
     return sched
 
 
+def model_runner_of(llm):
+    """The model runner of an in-process ``LLM`` with one worker in this process (CPU: vLLM's uniprocess executor),
+    or None."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    core = getattr(core, "engine_core", core)
+    driver = getattr(getattr(core, "model_executor", None), "driver_worker", None)
+    return getattr(getattr(driver, "worker", None), "model_runner", None)
+
+
 def _spec_counters(llm) -> tuple[int, int, int]:
     """vLLM's running totals (drafts, draft tokens, accepted tokens) of speculative decoding."""
     totals = {"vllm:spec_decode_num_drafts": 0, "vllm:spec_decode_num_draft_tokens": 0,
@@ -125,6 +134,8 @@ class BatchResult:
     accepted_tokens: int = 0
     steps: int = 0
     """Engine steps (adaptree's scheduler counts them; 0 under vLLM's own)."""
+    drafter_skips: int = 0
+    """Steps in which adaptree's worker left the drafter off (K = 0)."""
 
     @property
     def tokens(self) -> int:
@@ -152,6 +163,8 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature else None,
                             ignore_eos=not eos, detokenize=False)
     before = _spec_counters(llm)
+    runner = model_runner_of(llm)
+    skips_before = getattr(runner, "drafter_skips", 0)
     sched = scheduler_of(llm)
     steps_before = getattr(sched, "steps_done", 0)
     admitted = sched.max_num_active_reqs
@@ -172,16 +185,17 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
         ok = m is not None and getattr(m, "last_token_ts", 0) and getattr(m, "scheduled_ts", 0)
         latencies.append(float(m.last_token_ts - m.scheduled_ts) if ok else wall)  # from admission: no queueing
     return BatchResult([list(o.outputs[0].token_ids) for o in outs], wall, latencies,
-                       *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before)
+                       *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before,
+                       drafter_skips=getattr(runner, "drafter_skips", 0) - skips_before)
 
 
 def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
                        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), k_max: int = 5, dtype: str = "bfloat16",
-                       new_tokens: int = 32, repeats: int = 2, threads: int | None = None, progress=None):
+                       new_tokens: int = 64, repeats: int = 2, threads: int | None = None, progress=None):
     """vLLM's step time at each batch size x K = 0..k_max drafts (:class:`~adaptree.vllm_plugin.control.StepCosts`): B
     requests (``prompts`` cycled) decode ``new_tokens`` each under a fixed K, and the steps in which all B decoded,
     each verifying K drafts and drafting K more, are timed by adaptree's scheduler; the median over ``repeats``
-    interleaved passes, then per batch size the least-squares line over K (the raw medians are kept in the profile
+    interleaved passes, then per batch size K = 0 as measured and the least-squares line over K >= 1 (the raw medians are kept in the profile
     as ``measured_seconds``). ``progress(done, total)`` is called after each run."""
     import statistics
 
@@ -232,12 +246,15 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
 
 
 def _line(row: Sequence[float]) -> list[float]:
-    """The least-squares line through a batch size's step times over K = 0, 1, ... (slope at least 0): a step's
-    time grows with its rows, and a single median's noise (a few ms on a shared machine) must not make K=1 look
-    cheaper than K=0."""
-    n = len(row)
-    if n == 1:
-        return list(row)
-    mk, mt = (n - 1) / 2, sum(row) / n
-    slope = max(sum((k - mk) * (t - mt) for k, t in enumerate(row)) / sum((k - mk) ** 2 for k in range(n)), 0.0)
-    return [max(mt + slope * (k - mk), 1e-6) for k in range(n)]
+    """A batch size's step times over K = 0, 1, ...: K = 0 as measured (the drafter off: no speculative work at
+    all), K >= 1 on their least-squares line (slope at least 0), never below K = 0. Drafting has a fixed cost on top
+    of one per draft (the drafter's first pass, the rejection sampler), so one line through K = 0 would make short
+    drafts look cheap; and a single median's noise (a few ms on a shared machine) must not make K=2 look cheaper
+    than K=1."""
+    if len(row) <= 2:
+        return [row[0]] + [max(t, row[0]) for t in row[1:]]
+    drafting = row[1:]
+    n = len(drafting)
+    mk, mt = (n - 1) / 2, sum(drafting) / n
+    slope = max(sum((k - mk) * (t - mt) for k, t in enumerate(drafting)) / sum((k - mk) ** 2 for k in range(n)), 0.0)
+    return [row[0]] + [max(mt + slope * (k - mk), row[0]) for k in range(n)]

@@ -28,12 +28,16 @@ log = logging.getLogger(__name__)
 class _IdleDrafterOff:
     """Mixed into vLLM's model runner: the drafter runs only in steps that draft."""
 
+    drafter_skips = 0
+    """Steps in which the drafter did not run (the bench reports them)."""
+
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         spec = self.speculative_config
         skip = (scheduler_output.num_spec_tokens_to_schedule == 0 and spec.use_eagle()
                 and not spec.disable_padded_drafter_batch and isinstance(sampled_token_ids, torch.Tensor))
         if not skip:
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+        self.drafter_skips += 1
         self._draft_probs = None
         self._draft_prob_req_ids = None
         # what the drafter's path hands the next step besides drafts: each request's last valid token and count
