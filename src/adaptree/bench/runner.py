@@ -29,6 +29,7 @@ from adaptree.bench import isolation
 from adaptree.bench.hf_arms import HF_METHODS, hf_recipe
 from adaptree.bench.isolation import ArmFailed, ArmRecipe, WorkerArm
 from adaptree.bench.llama_cpp_arm import LLAMA_CPP_METHODS, llama_cpp_recipe
+from adaptree.bench.vllm_arm import VLLM_METHODS, vllm_recipe
 from adaptree.core.config import FLAG_HELP, check_fields, positive
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
@@ -51,8 +52,9 @@ _RUN_KEYS = ("model", "dtype", "weights", "attention", "compile_tokens", "dense_
 
 
 REFERENCE_ARMS: dict[str, Callable[[str, BenchConfig, PipelineLike], ArmRecipe]] = {
-    **dict.fromkeys(HF_METHODS, hf_recipe), **dict.fromkeys(LLAMA_CPP_METHODS, llama_cpp_recipe)}
-"""Arms that are not the engine (transformers' generate and llama.cpp on the same weights), by method name:
+    **dict.fromkeys(HF_METHODS, hf_recipe), **dict.fromkeys(LLAMA_CPP_METHODS, llama_cpp_recipe),
+    **dict.fromkeys(VLLM_METHODS, vllm_recipe)}
+"""Arms that are not the engine (transformers' generate, llama.cpp and vLLM on the same weights), by method name:
 ``recipe(method, cfg, pipeline)`` checks the arm's input in the bench's process and says how a worker process builds
 the arm (:mod:`adaptree.bench.isolation`). Every one runs in a worker; a name added here is a valid bench method."""
 
@@ -69,8 +71,8 @@ class BenchConfig:
 
     methods: list[str] = field(default_factory=lambda: list(MAIN_JOB_METHODS))
     """Arms: engine methods (ar, static, ...) and reference arms: Hugging Face (hf_generate, hf_prompt_lookup,
-    hf_assisted) and llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python), which run in
-    worker processes (one that crashes is dropped, the rest go on). Must include ``ar``: speedups are measured
+    hf_assisted), llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python) and vLLM (vllm,
+    vllm_ngram, vllm_eagle3, vllm_costaware; needs adaptree[vllm]), which run in worker processes (one that crashes is dropped, the rest go on). Must include ``ar``: speedups are measured
     against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     """Benchmarks: mt_bench, humaneval, sharegpt, sharegpt_long (long pasted texts), code_edit (edits of HumanEval

@@ -1,0 +1,160 @@
+"""``adaptree serve --engine vllm``: vLLM's OpenAI server (continuous batching, many streams) on adaptree's target,
+with adaptree's head exported for it and adaptree's controller deciding the drafts (docs/vllm.md).
+
+:func:`vllm_serve_command` prepares what the server needs (the target's Hugging Face folder, converted from the
+GGUF on first use; the head exported for vLLM; the step costs the cost-aware controller reads, measured on this
+machine on first use) into adaptree's cache and returns vLLM's own ``vllm serve`` command line; the CLI replaces
+itself with it. vLLM answers the OpenAI API, its errors included (400 naming the bad field, no traceback).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from adaptree.serve.config import ServeConfig
+
+METHODS = {"ar": "plain decoding", "static": "EAGLE-3 drafts of a fixed length (--depth)",
+           "ngram": "vLLM's n-gram drafts of a fixed length (--depth)",
+           "costaware": "adaptree's cost-aware controller: each step's drafts from the step costs measured on "
+                        "this machine (up to --depth)"}
+"""adaptree's methods that run inside vLLM (chains: vLLM's CPU path verifies no trees)."""
+DEFAULT_DEPTH = {"static": 3, "ngram": 3, "costaware": 5}
+"""Draft length (fixed) or its cap (costaware): 2-3 was the fastest fixed length for SmolLM2 on 2 CPU cores, and
+the step costs are measured up to 5 (docs/vllm.md)."""
+PASSED_ON = ("host", "port", "served_model_name", "api_key", "default_max_tokens", "graceful_timeout")
+"""The :class:`ServeConfig` fields vLLM's server takes; the others (adaptree's queue, tree and body limits) are
+its own server's, and refused here when changed."""
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(folder / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def check_config(config: ServeConfig) -> None:
+    """Refuse the adaptree-server settings vLLM's server has no equivalent of (naming the flag)."""
+    default = ServeConfig()
+    for name in vars(config):
+        if name not in PASSED_ON and name not in ("method", "method_options") \
+                and getattr(config, name) != getattr(default, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} is a setting of adaptree's own server; --engine vllm takes "
+                             f"{', '.join('--' + n.replace('_', '-') for n in PASSED_ON)}")
+
+
+def prepared_head(model: str | None, head: str, dtype: str) -> Path:
+    """The head exported for vLLM in adaptree's cache (written on first use, keyed by the head's files)."""
+    import torch
+
+    from adaptree.models.cache import cache_dir
+    from adaptree.vllm_plugin.export import export_head, resolve_head, target_config, target_folder
+
+    source = resolve_head(model, head)
+    if not (source / "config.json").is_file() or not (source / "model.safetensors").is_file():
+        raise ValueError(f"head {str(source)!r}: needs config.json and model.safetensors")
+    out = cache_dir() / "vllm" / f"head-{_file_digest(source)}-{dtype}"
+    if not (out / "config.json").is_file():
+        folder = target_folder(model, getattr(torch, dtype))
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        export_head(source, target_config(folder), tmp, getattr(torch, dtype))
+        if out.exists():  # another process exported it meanwhile: the same files
+            shutil.rmtree(tmp)
+        else:
+            tmp.replace(out)
+    return out
+
+
+def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, threads: int | None,
+                        progress: Callable[[int, int], None] | None = None) -> Path:
+    """vLLM's step costs on this machine for the target, head, dtype and threads, in adaptree's cache (measured on
+    first use: a few minutes; :func:`adaptree.vllm_plugin.engine.measure_step_costs`)."""
+    import torch
+
+    from adaptree.core.machine import machine_profile
+    from adaptree.data.prompts import load_prompt_sets
+    from adaptree.models import load_model
+    from adaptree.models.cache import cache_dir
+    from adaptree.vllm_plugin.engine import measure_step_costs
+    from adaptree.vllm_plugin.export import target_folder
+
+    target = target_folder(model, getattr(torch, dtype))
+    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads)
+    path = cache_dir() / "vllm" / f"step-costs-{key}.json"
+    if path.is_file():
+        return path
+    _, tok = load_model(model, getattr(torch, dtype))
+    prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
+               for _, ps in load_prompt_sets(("mt_bench", "humaneval"), limit=3) for p in ps]
+    costs = measure_step_costs(target, head, prompts, k_max=k_max, dtype=dtype, threads=threads, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    costs.save(tmp)
+    tmp.replace(path)
+    return path
+
+
+def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str = "auto", dtype: str = "bfloat16",
+                       method: str = "costaware", depth: int | None = None, step_costs: str | None = None,
+                       max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 32,
+                       progress: Callable[[int, int], None] | None = None) -> tuple[list[str], dict[str, str]]:
+    """vLLM's server command line and the environment variables to set for it (adaptree's CPU settings, the API
+    key), with everything it reads prepared. Bad values fail here, naming the flag, before anything is loaded."""
+    import torch
+
+    from adaptree.models import DEFAULT_MODEL_NAME
+    from adaptree.vllm_plugin.engine import SCHEDULER, cpu_environment, worker_class
+    from adaptree.vllm_plugin.export import EXPORT_DTYPES, target_folder
+
+    check_config(config)
+    if method not in METHODS:
+        raise ValueError(f"--method {method} decides trees in adaptree's own engine only; --engine vllm runs "
+                         f"{', '.join(METHODS)} (docs/vllm.md)")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(EXPORT_DTYPES)} with --engine vllm, got {dtype!r}")
+    k = DEFAULT_DEPTH.get(method, 0) if depth is None else depth
+    if method != "ar" and not 1 <= k <= 16:
+        raise ValueError(f"--depth must be in 1..16 with --engine vllm (the drafts per step), got {k}")
+    if step_costs is not None and method != "costaware":
+        raise ValueError(f"--step-costs is read by the costaware method, not {method}")
+    if not 1 <= max_num_seqs <= 1024:
+        raise ValueError(f"--max-num-seqs must be in 1..1024, got {max_num_seqs}")
+    target = target_folder(model, getattr(torch, dtype))
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
+            "--host", config.host, "--port", str(config.port),
+            "--served-model-name", config.served_model_name or str(model or DEFAULT_MODEL_NAME),
+            "--override-generation-config", json.dumps({"max_new_tokens": config.default_max_tokens}),
+            "--shutdown-timeout", str(int(max(0.0, config.graceful_timeout)))]
+    if method == "ngram":
+        argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
+    elif method in ("static", "costaware"):
+        exported = prepared_head(model, head, dtype)
+        argv += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(exported),
+                                                     "num_speculative_tokens": k})]
+        if method == "costaware":
+            if step_costs is None:
+                step_costs = str(prepared_step_costs(model, exported, dtype, k, threads, progress))
+            elif not Path(step_costs).is_file():
+                raise ValueError(f"--step-costs {step_costs}: no such file")
+            argv += ["--scheduler-cls", SCHEDULER, "--worker-cls", worker_class(), "--async-scheduling",
+                     "--additional-config", json.dumps({"adaptree": {"controller": "costaware",
+                                                                     "step_costs": str(step_costs)}})]
+    env = cpu_environment(threads, in_process=False)
+    if config.api_key:
+        env["VLLM_API_KEY"] = config.api_key  # not on the command line, where every user's ps shows it
+    return argv, env
