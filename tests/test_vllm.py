@@ -90,3 +90,83 @@ def test_the_plugin_is_registered_and_sets_vllms_cpu_threads(monkeypatch):
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"  # the user's setting stays
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # vllm serve keeps its engine-core process
+
+
+def test_serve_engine_vllm_answers_the_openai_api_and_names_bad_fields(setup, tmp_path):
+    """``adaptree serve --engine vllm --method costaware``: vLLM's server with adaptree's head, scheduler and worker
+    answers a chat request with plain vLLM's greedy text, and a bad field gets a 4xx naming it, no traceback."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    _, _, prompts, costs = setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "adaptree.cli", "serve", "--engine", "vllm", "--method", "costaware",
+                             "--depth", "3", "--dtype", "float32", "--step-costs", str(costs), "--port", str(port),
+                             "--max-num-seqs", "4", "--max-seq-len", "2048", "--served-model-name", "smol"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ADAPTREE_ADAPT": "0"})
+
+    def post(body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vLLM's server did not come up"
+                time.sleep(2)
+        question = {"role": "user", "content": QUESTIONS[1]}
+        status, body = post({"model": "smol", "messages": [question], "max_tokens": 48, "temperature": 0})
+        assert status == 200, body
+        ids = body["choices"][0]["message"]["content"]
+        runs = _run(setup, ["vllm"], [[prompts[1]]])
+        from adaptree.models import load_model
+
+        _, tok = load_model(None, torch.float32)
+        assert ids == tok.tokenizer.decode(runs["vllm"][0].outputs[0], skip_special_tokens=True)
+        for bad, field in (({"max_tokens": -1}, "max_tokens"), ({"temperature": "hot"}, "temperature")):
+            status, text = post({"model": "smol", "messages": [question], **bad})
+            assert 400 <= status < 500 and field in text and "Traceback" not in text, (status, text)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_vllm_arms_of_adaptree_bench_keep_plain_vllms_text(tmp_path):
+    """``adaptree bench --methods ar,vllm,vllm_eagle3``: vLLM's arms run in their workers beside the engine, and the
+    exported head's greedy text (float32) is plain vLLM's."""
+    import json
+
+    import adaptree
+    from adaptree.bench.runner import BenchConfig, run_bench
+
+    pipe = adaptree.load(None, dtype="float32", adapt=False)
+    run_bench(BenchConfig(methods=["ar", "vllm", "vllm_eagle3"], datasets=["humaneval"], limit=2, max_new_tokens=32,
+                          turns=1, out=str(tmp_path / "b")), pipe)
+    records = [json.loads(line) for line in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
+    ids = {(r["method"], r["prompt_id"]): r["token_ids"] for r in records}
+    prompts = {p for _, p in ids}
+    assert len(prompts) == 2 and all(len(ids[("vllm", p)]) == 32 for p in prompts)
+    assert all(ids[("vllm_eagle3", p)] == ids[("vllm", p)] for p in prompts)

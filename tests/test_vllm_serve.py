@@ -45,8 +45,9 @@ def test_plain_and_ngram_commands_pass_the_servers_settings():
         os.environ.pop(var, None)
     config = ServeConfig(port=8123, api_key="secret", default_max_tokens=77, served_model_name="smol")
     argv, env = vllm_serve_command(config, dtype="float32", method="ar")
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", argv[4]] and os.path.isdir(argv[4])
-    flags = dict(zip(argv[5::2], argv[6::2]))
+    assert argv[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert os.path.isfile(os.path.join(flags["--model"], "config.json"))
     assert flags["--port"] == "8123" and flags["--served-model-name"] == "smol" and flags["--dtype"] == "float32"
     assert json.loads(flags["--override-generation-config"]) == {"max_new_tokens": 77}
     assert "--speculative-config" not in argv and "secret" not in " ".join(argv)  # the key goes by environment
@@ -67,3 +68,19 @@ def test_static_exports_the_head_once_into_the_cache():
     again, _ = vllm_serve_command(ServeConfig(), dtype="float32", method="static", depth=2)
     assert json.loads(again[again.index("--speculative-config") + 1])["model"] == head
     assert os.stat(os.path.join(head, "model.safetensors")).st_mtime_ns == stamp
+
+
+def test_the_command_refuses_what_vllm_does_not_run(capsys):
+    from adaptree import cli
+    from adaptree.vllm_plugin.engine import vllm_available
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine", "vllm", "--width", "4", "--max-queue", "3"])
+    message = str(exc.value.code)
+    if not vllm_available():
+        assert "--engine vllm needs vLLM: pip install 'adaptree[vllm]'" in message
+        return
+    assert "--width set adaptree's own engine" in message
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--engine", "vllm", "--max-queue", "3"])
+    assert "--max-queue is a setting of adaptree's own server" in str(exc.value.code)

