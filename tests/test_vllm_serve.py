@@ -1,4 +1,4 @@
-"""``adaptree serve --engine vllm`` (adaptree.vllm_plugin.serve): the settings refused before anything loads, and
+"""``adaptree serve --engine vllm`` (adaptree.serve.vllm): the settings refused before anything loads, and
 vLLM's server command line, without vLLM. The real server is tested in tests/test_vllm.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from adaptree.serve.config import ServeConfig
-from adaptree.vllm_plugin.serve import check_config, vllm_serve_command
+from adaptree.serve.vllm import check_config, vllm_serve_command
 
 
 @pytest.fixture(autouse=True)

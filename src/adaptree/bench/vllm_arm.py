@@ -66,7 +66,7 @@ class VllmArm:
 
         from adaptree.vllm_plugin.engine import Arm, generate_batch, make_llm
         from adaptree.vllm_plugin.export import target_folder
-        from adaptree.vllm_plugin.serve import prepared_head, prepared_step_costs
+        from adaptree.vllm_plugin.cache import prepared_head, prepared_step_costs
 
         if method not in VLLM_METHODS:
             raise ValueError(f"unknown vLLM arm {method!r}; available: {', '.join(VLLM_METHODS)}")

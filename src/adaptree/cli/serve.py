@@ -68,7 +68,7 @@ def cmd_serve(args) -> int:
 
 
 def _serve_vllm(args, config) -> int:
-    """vLLM's server in place of this process, with what it reads prepared (adaptree.vllm_plugin.serve)."""
+    """vLLM's server in place of this process, with what it reads prepared (adaptree.serve.vllm)."""
     from adaptree.vllm_plugin.engine import vllm_available
 
     if not vllm_available():
@@ -89,7 +89,7 @@ def _serve_vllm(args, config) -> int:
         raise SystemExit(f"adaptree serve: --method {method} drafts with a head; --draft none leaves none")
     from tqdm import tqdm
 
-    from adaptree.vllm_plugin.serve import vllm_serve_command
+    from adaptree.serve.vllm import vllm_serve_command
 
     bar = tqdm(total=1, desc="vLLM step costs (first use on this machine)", disable=None)
 

@@ -152,23 +152,61 @@ class FixedLength:
     def observe(self, request: str, drafted: int, accepted: int) -> None:
         pass
 
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        pass
+
     def forget(self, live: Iterable[str]) -> None:
         pass
+
+
+class LiveCosts:
+    """Step times as this engine runs them: the measured table corrected by the steps it has timed.
+
+    A table measured minutes earlier, on other prompts and a shared machine, is off by a few ms per step, which is
+    the whole difference between one draft and two at one stream. So every timed pure decode step of ``B``
+    requests each verifying and drafting ``K`` updates a running mean of that cell (``alpha``) and one of the
+    ratio measured / table over all cells; a cell timed ``min_steps`` times is its own mean, any other the table's
+    time scaled by that ratio. A controller that tries a length the table got wrong thus moves to the right one."""
+
+    def __init__(self, table: StepCosts, alpha: float = 0.1, min_steps: int = 4) -> None:
+        self.table, self.alpha, self.min_steps = table, alpha, min_steps
+        self.cells: dict[tuple[int, int], tuple[float, int]] = {}
+        self.ratio = 1.0
+
+    @property
+    def k_max(self) -> int:
+        return self.table.k_max
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        """One pure decode step of ``batch`` requests that verified and drafted ``k`` each took ``seconds``."""
+        if batch < 1 or not 0 <= k <= self.table.k_max or not (math.isfinite(seconds) and seconds > 0):
+            return
+        predicted = self.table.time(batch, k)
+        # one step stalled by the machine (another process, a page fault) moves the estimates by at most 2x
+        seconds = min(max(seconds, 0.5 * predicted), 2.0 * predicted)
+        mean, n = self.cells.get((batch, k), (seconds, 0))
+        self.cells[(batch, k)] = (mean + self.alpha * (seconds - mean) if n else seconds, n + 1)
+        self.ratio += self.alpha * (seconds / predicted - self.ratio)
+
+    def time(self, batch: int, k: int) -> float:
+        mean, n = self.cells.get((batch, k), (0.0, 0))
+        return mean if n >= self.min_steps else self.table.time(batch, k) * self.ratio
 
 
 class CostAwareLength:
     """The batch's drafts that maximise modelled tokens per second.
 
     For each ``K`` in 0..K_max: the step's expected tokens ``sum_i (1 + sum_{j<K} S_i(j))`` (``S_i`` request i's
-    survival) over its time ``costs.time(B, K)``; the best ``K`` is the one drafted. A request verifies its own
-    prefix ``k_i <= K`` of drafts: a draft whose chance of being reached and accepted is below what a verified row
-    costs at the batch's rate (``rate x (time(B, K) - time(B, K-1)) / B``) is left out, the same trade the
-    cost-aware rule makes per tree node in adaptree's engine."""
+    survival) over its time ``costs.time(B, K)`` (the measured table, corrected by the steps timed since:
+    :class:`LiveCosts`); the best ``K`` is the one drafted. A request verifies its own prefix ``k_i <= K`` of
+    drafts: a draft whose chance of being reached and accepted is below what a verified row costs at the batch's
+    rate (``rate x (time(B, K) - time(B, K-1)) / B``) is left out, the same trade the cost-aware rule makes per tree
+    node in adaptree's engine."""
 
     name = "costaware"
 
     def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
-        self.costs = costs
+        self.costs = LiveCosts(costs)
         self.k_max = costs.k_max if k_max is None else min(k_max, costs.k_max)
         if len(prior) < self.k_max:
             raise ValueError(f"the acceptance prior covers {len(prior)} positions; K_max is {self.k_max}")
@@ -202,6 +240,10 @@ class CostAwareLength:
     def observe(self, request: str, drafted: int, accepted: int) -> None:
         self.batch.observe(drafted, accepted)
         self._acceptance(request).observe(drafted, accepted)
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A timed pure decode step: ``batch`` requests each verified ``k`` drafts and drafted ``k`` more."""
+        self.costs.observe(batch, k, seconds)
 
     def forget(self, live: Iterable[str]) -> None:
         """Drop the estimates of requests that are no longer running."""

@@ -69,6 +69,8 @@ class _DraftControl:
         if self._open is not None:
             t0, n, verified, k_after, prefill = self._open
             self.step_records.append(StepRecord(n, verified, k_after, prefill, now - t0))
+            if n and not prefill and all(v == k_after for v in verified):
+                self.controller.observe_step(n, k_after, now - t0)
             self.steps_done += 1
             self._open = None
         drafting = [r for r in self.running if r.spec_token_ids and not r.is_prefill_chunk]

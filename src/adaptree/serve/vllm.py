@@ -2,17 +2,15 @@
 with adaptree's head exported for it and adaptree's controller deciding the drafts (docs/vllm.md).
 
 :func:`vllm_serve_command` prepares what the server needs (the target's Hugging Face folder, converted from the
-GGUF on first use; the head exported for vLLM; the step costs the cost-aware controller reads, measured on this
-machine on first use) into adaptree's cache and returns the command line of vLLM's own OpenAI server (what
-``vllm serve`` runs); the CLI replaces itself with it. vLLM answers the OpenAI API, its errors included (400 naming the bad field, no traceback).
+GGUF on first use; the head exported for vLLM and the step costs the cost-aware controller reads, measured on this
+machine on first use: :mod:`adaptree.vllm_plugin.cache`) and returns the command line of vLLM's own OpenAI server
+(what ``vllm serve`` runs); the CLI replaces itself with it. vLLM answers the OpenAI API, its errors included (4xx
+naming the bad field, no traceback).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,19 +32,6 @@ PASSED_ON = ("host", "port", "served_model_name", "api_key", "default_max_tokens
 its own server's, and refused here when changed."""
 
 
-def _digest(*parts: object) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _file_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(folder / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:16]
-
-
 def check_config(config: ServeConfig) -> None:
     """Refuse the adaptree-server settings vLLM's server has no equivalent of (naming the flag)."""
     default = ServeConfig()
@@ -58,57 +43,6 @@ def check_config(config: ServeConfig) -> None:
                              f"{', '.join('--' + n.replace('_', '-') for n in PASSED_ON)}")
 
 
-def prepared_head(model: str | None, head: str, dtype: str) -> Path:
-    """The head exported for vLLM in adaptree's cache (written on first use, keyed by the head's files)."""
-    import torch
-
-    from adaptree.models.cache import cache_dir
-    from adaptree.vllm_plugin.export import export_head, resolve_head, target_config, target_folder
-
-    source = resolve_head(model, head)
-    if not (source / "config.json").is_file() or not (source / "model.safetensors").is_file():
-        raise ValueError(f"head {str(source)!r}: needs config.json and model.safetensors")
-    out = cache_dir() / "vllm" / f"head-{_file_digest(source)}-{dtype}"
-    if not (out / "config.json").is_file():
-        folder = target_folder(model, getattr(torch, dtype))
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        export_head(source, target_config(folder), tmp, getattr(torch, dtype))
-        if out.exists():  # another process exported it meanwhile: the same files
-            shutil.rmtree(tmp)
-        else:
-            tmp.replace(out)
-    return out
-
-
-def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, threads: int | None,
-                        progress: Callable[[int, int], None] | None = None) -> Path:
-    """vLLM's step costs on this machine for the target, head, dtype and threads, in adaptree's cache (measured on
-    first use: a few minutes; :func:`adaptree.vllm_plugin.engine.measure_step_costs`)."""
-    import torch
-
-    from adaptree.core.machine import machine_profile
-    from adaptree.data.prompts import load_prompt_sets
-    from adaptree.models import load_model
-    from adaptree.models.cache import cache_dir
-    from adaptree.vllm_plugin.engine import measure_step_costs
-    from adaptree.vllm_plugin.export import target_folder
-
-    target = target_folder(model, getattr(torch, dtype))
-    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads)
-    path = cache_dir() / "vllm" / f"step-costs-{key}.json"
-    if path.is_file():
-        return path
-    _, tok = load_model(model, getattr(torch, dtype))
-    prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
-               for _, ps in load_prompt_sets(("mt_bench", "humaneval"), limit=3) for p in ps]
-    costs = measure_step_costs(target, head, prompts, k_max=k_max, dtype=dtype, threads=threads, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    costs.save(tmp)
-    tmp.replace(path)
-    return path
-
-
 def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str = "auto", dtype: str = "bfloat16",
                        method: str = "costaware", depth: int | None = None, step_costs: str | None = None,
                        max_model_len: int = 4096, threads: int | None = None, max_num_seqs: int = 32,
@@ -118,6 +52,7 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
     import torch
 
     from adaptree.models import DEFAULT_MODEL_NAME
+    from adaptree.vllm_plugin.cache import prepared_head, prepared_step_costs
     from adaptree.vllm_plugin.engine import SCHEDULER, cpu_environment, worker_class
     from adaptree.vllm_plugin.export import EXPORT_DTYPES, target_folder
 
