@@ -11,6 +11,7 @@ naming the bad field, no traceback).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -87,7 +88,10 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
                                                      "num_speculative_tokens": k})]
         if method == "costaware":
             if step_costs is None:
+                in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
                 step_costs = str(prepared_step_costs(model, exported, dtype, k, threads, progress))
+                if in_process is None:  # the measurement ran vLLM's engine in this process; the server runs its own
+                    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             elif not Path(step_costs).is_file():
                 raise ValueError(f"--step-costs {step_costs}: no such file")
             argv += ["--scheduler-cls", SCHEDULER, "--worker-cls", worker_class(), "--async-scheduling",

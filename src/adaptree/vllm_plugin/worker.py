@@ -1,11 +1,12 @@
-"""vLLM's worker with the drafter off in steps that draft nothing (vLLM's ``worker_cls`` setting; no patched vLLM
-file).
+"""vLLM's worker with the speculative path off in steps that draft nothing (vLLM's ``worker_cls`` setting; no
+patched vLLM file).
 
 When adaptree's controller decides ``K = 0`` (a full batch, where drafting costs more than it brings), vLLM's
 EAGLE path still runs the drafter's first forward over every scheduled token, to keep the drafter's KV cache in
-step, and returns no drafts: measured on SmolLM2 at 16 streams, that and the rest of the speculative path cost about
-14% of each step against plain decoding (docs/vllm.md). This worker's model runner skips the drafter in such a
-step and only does the bookkeeping vLLM's next step reads (the last valid sampled token per request).
+step, returns no drafts, and samples through its rejection sampler: measured on SmolLM2 at 16 streams, a step cost
+7-14% more than plain decoding's (docs/vllm.md). This worker's model runner skips the drafter in such a step,
+doing only the bookkeeping vLLM's next step reads (the last valid sampled token per request), and samples a step
+without drafts as plain decoding does.
 
 The trade: the drafter's cache keeps no entries for the positions of skipped steps, so drafts made after a busy
 stretch see a context with holes and are accepted less (never wrong: verification is the target's). The controller
@@ -29,6 +30,9 @@ class _IdleDrafterOff:
     """Mixed into vLLM's model runner: the drafter runs only in steps that draft, and a step that verifies no draft
     samples as plain decoding does."""
 
+    drafter_skips = 0
+    """Steps in which the drafter did not run (the bench reports them)."""
+
     def _sample(self, logits, spec_decode_metadata):
         # with a drafter configured vLLM builds speculative metadata for every step and samples through its rejection
         # sampler; with no draft in the step that is one bonus token per request, which is plain sampling, and the
@@ -36,9 +40,6 @@ class _IdleDrafterOff:
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
             spec_decode_metadata = None
         return super()._sample(logits, spec_decode_metadata)
-
-    drafter_skips = 0
-    """Steps in which the drafter did not run (the bench reports them)."""
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         spec = self.speculative_config
