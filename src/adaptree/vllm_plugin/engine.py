@@ -195,8 +195,8 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
     """vLLM's step time at each batch size x K = 0..k_max drafts (:class:`~adaptree.vllm_plugin.control.StepCosts`): B
     requests (``prompts`` cycled) decode ``new_tokens`` each under a fixed K, and the steps in which all B decoded,
     each verifying K drafts and drafting K more, are timed by adaptree's scheduler; the median over ``repeats``
-    interleaved passes, then per batch size K = 0 as measured and the least-squares line over K >= 1 (the raw medians are kept in the profile
-    as ``measured_seconds``). ``progress(done, total)`` is called after each run."""
+    interleaved passes, then per batch size K = 0 as measured and the least-squares line over K >= 1 (the raw medians
+    are kept in the profile as ``measured_seconds``). ``progress(done, total)`` is called after each run."""
     import statistics
 
     from adaptree.core.machine import machine_profile
