@@ -19,6 +19,7 @@ Enable it with ``scheduler_cls="adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyn
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -76,7 +77,9 @@ class _DraftControl:
         drafting = [r for r in self.running if r.spec_token_ids and not r.is_prefill_chunk]
         live = [r.request_id for r in self.running]
         self.controller.forget(live)
-        ks, k_next = self.controller.decide(live)
+        # the batch this step will run: the running requests and those it admits, whose first drafts K decides
+        admitted = list(itertools.islice(self.waiting, max(0, self.max_num_active_reqs - len(live))))
+        ks, k_next = self.controller.decide(live + [r.request_id for r in admitted])
         for r in drafting:
             k = ks.get(r.request_id, 0)
             if len(r.spec_token_ids) > k:  # never more than were drafted (under async scheduling: placeholders)
