@@ -242,6 +242,10 @@ def member(obj: object, name: str) -> object:
         return inspect.getattr_static(obj, name) if isinstance(obj, type) else getattr(obj, name)
     except AttributeError:
         pass
+    except ModuleNotFoundError as e:  # a module attribute built from an optional package on first use
+        if e.name is not None and e.name.partition(".")[0] in OPTIONAL:
+            return UNCHECKED
+        raise
     if isinstance(obj, type):
         for klass in obj.__mro__:
             declared = name in vars(klass).get("__annotations__", {}) or name in assigned_attributes(klass)
