@@ -17,6 +17,7 @@ vLLM reports no cycles, so these rows have no τ (``adaptree vllm-bench`` report
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from adaptree.bench.isolation import ArmRecipe
@@ -64,27 +65,22 @@ class VllmArm:
     def __init__(self, method: str, model: str | None, head: str | None, dtype: str, max_model_len: int) -> None:
         import torch
 
-        from adaptree.vllm_plugin.engine import Arm, generate_batch, make_llm
-        from adaptree.vllm_plugin.export import target_folder
+        from adaptree.bench.vllm_bench import vllm_arm
         from adaptree.vllm_plugin.cache import prepared_head, prepared_step_costs
+        from adaptree.vllm_plugin.engine import generate_batch, make_llm
+        from adaptree.vllm_plugin.export import target_folder
 
         if method not in VLLM_METHODS:
             raise ValueError(f"unknown vLLM arm {method!r}; available: {', '.join(VLLM_METHODS)}")
         k = DRAFTS[method]
         threads = torch.get_num_threads()
-        if method == "vllm":
-            arm = Arm(method)
-        elif method == "vllm_ngram":
-            arm = Arm(method, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                               "prompt_lookup_min": 2})
-        else:
-            exported = prepared_head(model, head, dtype)
-            spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": k}
-            if method == "vllm_eagle3":
-                arm = Arm(method, spec)
-            else:
-                costs = prepared_step_costs(model, exported, dtype, k, threads)
-                arm = Arm(method, spec, {"controller": "costaware", "step_costs": str(costs)})
+        exported = costs = None
+        if method in ("vllm_eagle3", "vllm_costaware"):
+            exported = str(prepared_head(model, head, dtype))
+        if method == "vllm_costaware":
+            costs = str(prepared_step_costs(model, Path(exported), dtype, k, threads))
+        # the same vLLM configurations as adaptree vllm-bench's arms of these names and K
+        arm = vllm_arm(f"{method}:{k}" if k else method, exported, costs)
         self.method = method
         self.llm = make_llm(target_folder(model, getattr(torch, dtype)), arm, dtype=dtype,
                             max_model_len=max_model_len, threads=threads, max_num_seqs=1)

@@ -90,7 +90,8 @@ def parse_arm(name: str) -> tuple[str, int]:
     return kind, int(k)
 
 
-def vllm_arm(name: str, head: str, step_costs: str | None) -> Arm:
+def vllm_arm(name: str, head: str | None, step_costs: str | None) -> Arm:
+    """The vLLM configuration of the arm ``name`` (``head``: the exported drafter folder, for the EAGLE-3 arms)."""
     kind, k = parse_arm(name)
     if kind == "vllm":
         return Arm(name)
