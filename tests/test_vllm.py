@@ -61,10 +61,13 @@ def _run(setup, arms, batches):
 def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
     _, _, prompts, _ = setup
     batches = [[p] for p in prompts] + [prompts]  # one stream each, then three at once
-    runs = _run(setup, ["vllm", "vllm_eagle3:3", "vllm_costaware:3"], batches)
-    for arm in ("vllm_eagle3:3", "vllm_costaware:3"):
+    runs = _run(setup, ["vllm", "vllm_eagle3:3", "vllm_costaware:3", "vllm_hybrid:3"], batches)
+    for arm in ("vllm_eagle3:3", "vllm_costaware:3", "vllm_hybrid:3"):
         for got, ref in zip(runs[arm], runs["vllm"]):
             assert got.outputs == ref.outputs, arm
+    # the hybrid verified context chains in place of the head's drafts (the answers repeat their context), under
+    # vLLM's synchronous scheduler
+    assert sum(r.chains for r in runs["vllm_hybrid:3"]) > 0
     single = [r for r in runs["vllm_costaware:3"][:3]]
     assert sum(r.draft_tokens for r in single) > 0 and sum(r.accepted_tokens for r in single) > 0
     # where rows are nearly free it drafts as deep as the fixed arm and its drafts are as good: the drafter saw
@@ -98,8 +101,9 @@ def test_the_plugin_is_registered_and_sets_vllms_cpu_threads(monkeypatch):
 
 
 def test_serve_engine_vllm_answers_the_openai_api_and_names_bad_fields(setup, tmp_path):
-    """``adaptree serve --engine vllm --method costaware``: vLLM's server with adaptree's head, scheduler and worker
-    answers a chat request with plain vLLM's greedy text, and a bad field gets a 4xx naming it, no traceback."""
+    """``adaptree serve --engine vllm --method hybrid``: vLLM's server with adaptree's head, scheduler (the
+    synchronous one, which the hybrid needs) and worker answers a chat request with plain vLLM's greedy text, and a
+    bad field gets a 4xx naming it, no traceback."""
     import json
     import os
     import socket
@@ -114,8 +118,9 @@ def test_serve_engine_vllm_answers_the_openai_api_and_names_bad_fields(setup, tm
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "adaptree.cli", "serve", "--engine", "vllm", "--method", "costaware",
-                             "--depth", "3", "--dtype", "float32", "--step-costs", str(costs), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "adaptree.cli", "serve", "--engine", "vllm",
+                             "--method", "hybrid", "--depth", "3", "--dtype", "float32", "--step-costs", str(costs),
+                             "--port", str(port),
                              "--max-num-seqs", "4", "--max-seq-len", "2048", "--served-model-name", "smol"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ADAPTREE_ADAPT": "0"})
 

@@ -138,3 +138,38 @@ def test_step_cost_rows_keep_k0_and_fit_a_line_over_the_drafting_ks():
     assert _line([5.0, 6.0, 5.5, 5.0]) == pytest.approx([5.0, 5.5, 5.5, 5.5])  # slope clamped at 0
     assert _line([5.0, 4.0, 4.0]) == pytest.approx([5.0, 5.0, 5.0])  # drafting never cheaper than not
     assert _line([5.0, 7.0]) == [5.0, 7.0]
+
+
+def test_hybrid_verifies_the_contexts_chain_where_it_is_worth_more_than_the_heads_drafts():
+    from adaptree.vllm_plugin.control import HybridLength
+
+    ctl = HybridLength(_costs(base=0.030, row=0.002))
+    assert ctl.uses_context and not CostAwareLength(_costs()).uses_context
+    loop = [7, 8, 9, 10, 11, 12, 7, 8, 9]  # "7 8 9" occurred before: the chain proposes 10 11 12 7 8
+    _warm(ctl, ["a"], 5, 1)  # the head: its first draft accepted, the second never
+    ks, k = ctl.decide(["a"])
+    assert ks["a"] == 1
+    # an unproven chain (half its tokens accepted, the prior) is worth less than a head draft accepted every time
+    assert ctl.chains({"a": loop}, {"a": 1}, {"a": 5}) == {}
+    ctl.chained = {"a": 1}  # as if it had been verified (a 3-token match's bucket), in full, 20 times
+    for _ in range(20):
+        ctl.observe("a", 5, 5)
+    assert ctl.requests["a"].reached[0] == 50 and ctl.chain_rates[1].reached[0] == 20
+    ctl.decide(["a"])
+    assert ctl.chains({"a": loop}, {"a": 1}, {"a": 5})["a"] == (10, 11, 12, 7, 8) and ctl.chained == {"a": 1}
+    assert ctl.chains({"a": loop}, {"a": 1}, {"a": 2})["a"] == (10, 11)  # no further than the request may go
+    assert ctl.chain_steps == 2
+    assert ctl.chains({"a": [1, 2, 3, 4]}, {"a": 2}, {"a": 5}) == {}  # a new context (fewer tokens), no match
+    # where the head's drafts are rejected, an unproven chain is tried; one rejected every time is not
+    bad = HybridLength(_costs(base=0.030, row=0.002))
+    _warm(bad, ["a"], 5, 0)
+    assert bad.decide(["a"])[0]["a"] == 0
+    assert bad.chains({"a": loop}, {"a": 0}, {"a": 5})["a"][:1] == (10,)
+    for _ in range(30):
+        bad.observe("a", 5, 0)
+    bad.decide(["a"])
+    assert bad.chains({"a": loop}, {"a": 0}, {"a": 5}) == {} and bad.chained == {}
+    bad.forget([])
+    assert not bad.indexes and not bad.requests
+    with pytest.raises(ValueError, match="the hybrid controller needs"):
+        build_controller({"controller": "hybrid"}, 5)

@@ -6,7 +6,9 @@
 - ``vllm_eagle3``: adaptree's head exported for vLLM, a fixed 3 drafts per step (the fastest fixed lengths for
   SmolLM2 and Qwen2.5-Coder-0.5B on 2 CPU cores were 2-3; ``adaptree vllm-bench`` measures the grid);
 - ``vllm_costaware``: the same head with adaptree's cost-aware controller deciding each step's drafts (up to 5),
-  from vLLM's step costs on this machine (measured on first use, minutes, cached).
+  from vLLM's step costs on this machine (measured on first use, minutes, cached);
+- ``vllm_hybrid``: the same, each request verifying the context's chain in place of the head's drafts where that is
+  worth more (adaptree's ``hybrid``).
 
 Each arm runs in a worker process of its own (:mod:`adaptree.bench.isolation`): vLLM sets process-wide state
 (its OpenMP threads, its engine core). The target is the model's Hugging Face folder vLLM loads (a GGUF model's
@@ -28,9 +30,11 @@ if TYPE_CHECKING:
     from adaptree.bench.runner import BenchConfig
     from adaptree.core.pipeline import PipelineLike
 
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware")
-DRAFTS = {"vllm": 0, "vllm_ngram": 3, "vllm_eagle3": 3, "vllm_costaware": 5}
-"""Drafts per step (the cap, for costaware)."""
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware", "vllm_hybrid")
+DRAFTS = {"vllm": 0, "vllm_ngram": 3, "vllm_eagle3": 3, "vllm_costaware": 5, "vllm_hybrid": 5}
+"""Drafts per step (the cap, for adaptree's controllers)."""
+CONTROLLED = ("vllm_costaware", "vllm_hybrid")
+"""The arms whose drafts adaptree's controller decides, from vLLM's step costs on this machine."""
 
 
 def vllm_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecipe:
@@ -45,7 +49,7 @@ def vllm_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRec
     if dtype is None:
         raise ValueError(f"the {method} arm runs vLLM in bfloat16 or float32; the bench's dtype is {pipeline.dtype}")
     head = None
-    if method in ("vllm_eagle3", "vllm_costaware"):
+    if method in ("vllm_eagle3", *CONTROLLED):
         if pipeline.head_folder is None:
             raise ValueError(f"the {method} arm drafts with a head; this bench has none (--draft)")
         head = str(pipeline.head_folder)
@@ -75,9 +79,9 @@ class VllmArm:
         k = DRAFTS[method]
         threads = torch.get_num_threads()
         exported = costs = None
-        if method in ("vllm_eagle3", "vllm_costaware"):
+        if method in ("vllm_eagle3", *CONTROLLED):
             exported = str(prepared_head(model, head, dtype))
-        if method == "vllm_costaware":
+        if method in CONTROLLED:
             costs = str(prepared_step_costs(model, Path(exported), dtype, k, threads))
         # the same vLLM configurations as adaptree vllm-bench's arms of these names and K
         arm = vllm_arm(f"{method}:{k}" if k else method, exported, costs)

@@ -28,11 +28,11 @@ from pathlib import Path
 from adaptree.bench.isolation import ArmFailed, ArmRecipe, ArmWorker, start
 from adaptree.core.config import positive
 from adaptree.core.verify import SamplingConfig
-from adaptree.vllm_plugin.engine import Arm, BatchResult
+from adaptree.vllm_plugin.engine import Arm, BatchResult, speculative_config
 
-ARM_KINDS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware", "adaptree_chain")
+ARM_KINDS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware", "vllm_hybrid", "adaptree_chain")
 """Arm names: ``vllm``; ``vllm_ngram:K``; ``vllm_eagle3:K`` (vLLM's scheduler, K drafts every step);
-``vllm_costaware:K`` (adaptree's scheduler, at most K); ``adaptree_chain:K``."""
+``vllm_costaware:K`` and ``vllm_hybrid:K`` (adaptree's scheduler, at most K); ``adaptree_chain:K``."""
 
 
 @dataclass
@@ -46,7 +46,7 @@ class VllmBenchConfig:
     arms: list[str] = field(default_factory=lambda: ["vllm", "vllm_ngram:3", "vllm_eagle3:1", "vllm_eagle3:2",
                                                      "vllm_eagle3:3", "vllm_eagle3:5", "vllm_costaware:5"])
     """Arms (first: the reference every ratio and output comparison uses): vllm, vllm_ngram:K, vllm_eagle3:K,
-    vllm_costaware:K, adaptree_chain:K."""
+    vllm_costaware:K, vllm_hybrid:K, adaptree_chain:K."""
     streams: list[int] = field(default_factory=lambda: [1, 4, 16])
     """Requests submitted together."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
@@ -57,7 +57,8 @@ class VllmBenchConfig:
     """vLLM's dtype (bfloat16 or float32; float32 for the losslessness check)."""
     repeats: int = positive(1)
     step_costs: str | None = None
-    """vLLM step-cost file for the costaware arms (default: measured into the results folder on first use)."""
+    """vLLM step-cost file for the costaware and hybrid arms (default: measured into the results folder on first
+    use)."""
     threads: int | None = None
     """CPU threads (default: every core this process may use)."""
     out: str = "runs/vllm-bench"
@@ -80,7 +81,7 @@ def parse_arm(name: str) -> tuple[str, int]:
     kind, _, k = name.partition(":")
     if kind not in ARM_KINDS:
         raise ValueError(f"unknown arm {name!r}; arms: vllm, vllm_ngram:K, vllm_eagle3:K, vllm_costaware:K, "
-                         "adaptree_chain:K")
+                         "vllm_hybrid:K, adaptree_chain:K")
     if kind == "vllm":
         if k:
             raise ValueError(f"arm {name!r}: plain vllm takes no K")
@@ -96,14 +97,13 @@ def vllm_arm(name: str, head: str | None, step_costs: str | None) -> Arm:
     if kind == "vllm":
         return Arm(name)
     if kind == "vllm_ngram":
-        return Arm(name, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                          "prompt_lookup_min": 2})
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+        return Arm(name, speculative_config("ngram", k))
+    spec = speculative_config("eagle3", k, head)
     if kind == "vllm_eagle3":
         return Arm(name, spec)
     if step_costs is None:
         raise ValueError(f"arm {name}: needs a step-cost file")
-    return Arm(name, spec, {"controller": "costaware", "step_costs": step_costs})
+    return Arm(name, spec, {"controller": kind.removeprefix("vllm_"), "step_costs": step_costs})
 
 
 class _VllmBatchArm:
@@ -254,12 +254,13 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
                for _, ps in load_prompt_sets(cfg.datasets, limit=cfg.limit) for p in ps]
     step_costs = cfg.step_costs
-    if "vllm_costaware" in kinds and step_costs is None:
+    controlled = [a for a in cfg.arms if parse_arm(a)[0] in ("vllm_costaware", "vllm_hybrid")]
+    if controlled and step_costs is None:
         step_costs = str(out / "step_costs.json")
         if not Path(step_costs).exists():
             from adaptree.vllm_plugin.engine import measure_step_costs
 
-            k_max = max(parse_arm(a)[1] for a in cfg.arms if a.startswith("vllm_costaware"))
+            k_max = max(parse_arm(a)[1] for a in controlled)
             bar = tqdm(total=1, desc="vLLM step costs", disable=not progress)
 
             def tick(done, total):

@@ -21,9 +21,13 @@ from adaptree.serve.config import ServeConfig
 METHODS = {"ar": "plain decoding", "static": "EAGLE-3 drafts of a fixed length (--depth)",
            "ngram": "vLLM's n-gram drafts of a fixed length (--depth)",
            "costaware": "adaptree's cost-aware controller: each step's drafts from the step costs measured on "
-                        "this machine (up to --depth)"}
+                        "this machine (up to --depth)",
+           "hybrid": "costaware, each request verifying the context's chain in place of the head's drafts where "
+                     "that is worth more (vLLM's synchronous scheduler)"}
 """adaptree's methods that run inside vLLM (chains: vLLM's CPU path verifies no trees)."""
-DEFAULT_DEPTH = {"static": 3, "ngram": 3, "costaware": 5}
+CONTROLLED = ("costaware", "hybrid")
+"""The methods whose drafts adaptree's controller decides, from vLLM's step costs on this machine."""
+DEFAULT_DEPTH = {"static": 3, "ngram": 3, "costaware": 5, "hybrid": 5}
 """Draft length (fixed) or its cap (costaware): 2-3 was the fastest fixed length for SmolLM2 on 2 CPU cores, and
 the step costs are measured up to 5 (docs/vllm.md)."""
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -54,7 +58,7 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
 
     from adaptree.models import DEFAULT_MODEL_NAME
     from adaptree.vllm_plugin.cache import prepared_head, prepared_step_costs
-    from adaptree.vllm_plugin.engine import SCHEDULER, cpu_environment, worker_class
+    from adaptree.vllm_plugin.engine import cpu_environment, plugin_settings, speculative_config
     from adaptree.vllm_plugin.export import EXPORT_DTYPES, target_folder
 
     check_config(config)
@@ -66,8 +70,8 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
     k = DEFAULT_DEPTH.get(method, 0) if depth is None else depth
     if method != "ar" and not 1 <= k <= 16:
         raise ValueError(f"--depth must be in 1..16 with --engine vllm (the drafts per step), got {k}")
-    if step_costs is not None and method != "costaware":
-        raise ValueError(f"--step-costs is read by the costaware method, not {method}")
+    if step_costs is not None and method not in CONTROLLED:
+        raise ValueError(f"--step-costs is read by the {' and '.join(CONTROLLED)} methods, not {method}")
     if not 1 <= max_num_seqs <= 1024:
         raise ValueError(f"--max-num-seqs must be in 1..1024, got {max_num_seqs}")
     target = target_folder(model, getattr(torch, dtype))
@@ -80,13 +84,11 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
             "--override-generation-config", json.dumps({"max_new_tokens": config.default_max_tokens}),
             "--shutdown-timeout", str(int(max(0.0, config.graceful_timeout)))]
     if method == "ngram":
-        argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
-                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
-    elif method in ("static", "costaware"):
+        argv += ["--speculative-config", json.dumps(speculative_config("ngram", k))]
+    elif method != "ar":
         exported = prepared_head(model, head, dtype)
-        argv += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(exported),
-                                                     "num_speculative_tokens": k})]
-        if method == "costaware":
+        argv += ["--speculative-config", json.dumps(speculative_config("eagle3", k, exported))]
+        if method in CONTROLLED:
             if step_costs is None:
                 in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
                 step_costs = str(prepared_step_costs(model, exported, dtype, k, threads, progress))
@@ -94,9 +96,10 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
                     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             elif not Path(step_costs).is_file():
                 raise ValueError(f"--step-costs {step_costs}: no such file")
-            argv += ["--scheduler-cls", SCHEDULER, "--worker-cls", worker_class(), "--async-scheduling",
-                     "--additional-config", json.dumps({"adaptree": {"controller": "costaware",
-                                                                     "step_costs": str(step_costs)}})]
+            plugin = plugin_settings({"controller": method, "step_costs": str(step_costs)})
+            argv += ["--scheduler-cls", plugin["scheduler_cls"], "--worker-cls", plugin["worker_cls"],
+                     "--async-scheduling" if plugin["async_scheduling"] else "--no-async-scheduling",
+                     "--additional-config", json.dumps(plugin["additional_config"])]
     argv.append("--enforce-eager")  # as the step costs were measured (vLLM's CPU compile: 1-2 minutes at start)
     env = cpu_environment(threads, in_process=False)
     if config.api_key:

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from adaptree.core.context import ContextIndex
+
 STEP_COSTS_FORMAT = "adaptree-vllm-step-costs/1"
 
 
@@ -142,6 +144,7 @@ class FixedLength:
     """``k`` drafts for every request at every step (vLLM's static behaviour, and the step-cost measurement's)."""
 
     name = "fixed"
+    uses_context = False
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -204,6 +207,7 @@ class CostAwareLength:
     node in adaptree's engine."""
 
     name = "costaware"
+    uses_context = False
 
     def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
         self.costs = LiveCosts(costs)
@@ -212,6 +216,8 @@ class CostAwareLength:
             raise ValueError(f"the acceptance prior covers {len(prior)} positions; K_max is {self.k_max}")
         self.batch = Acceptance(self.k_max, prior, strength=8.0)
         self.requests: dict[str, Acceptance] = {}
+        self.rate, self.batch_size = 0.0, 1
+        """The last decision's modelled tokens per second and batch."""
 
     def _acceptance(self, request: str) -> Acceptance:
         acc = self.requests.get(request)
@@ -230,6 +236,7 @@ class CostAwareLength:
             rate = tokens / self.costs.time(b, k)
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
+        self.rate, self.batch_size = best_rate, b
         if best_k == 0:
             return dict.fromkeys(requests, 0), 0
         row = max(self.costs.time(b, best_k) - self.costs.time(b, best_k - 1), 0.0) / b
@@ -252,7 +259,101 @@ class CostAwareLength:
             del self.requests[r]
 
 
-CONTROLLERS = ("fixed", "costaware")
+MATCH_BUCKETS = (2, 3, 4, 8, 16)
+"""Lower bounds of the match lengths whose context chains :class:`HybridLength` estimates apart (a longer shared past
+predicts a longer shared future)."""
+
+
+class HybridLength(CostAwareLength):
+    """Costaware's head drafts, or the context's chain in their place: adaptree's ``hybrid`` on vLLM's terms.
+
+    After :meth:`decide` (the head's lengths and ``K``, costaware's), :meth:`chains` looks up each decoding
+    request's context (prompt and output) for its longest earlier match of ``min_n`` to ``max_n`` tokens
+    (:class:`~adaptree.core.context.ContextIndex`, the index of adaptree's ``ngram`` and ``hybrid``) and
+    verifies what followed it instead of the head's drafts where that is worth more: the chain's first ``k``
+    tokens are worth ``sum_{t<k} C_m(t) - bar k`` (``C_m(t)``: the chance its first ``t + 1`` tokens are
+    accepted, learned online per match-length bucket; ``bar``: a verified row's seconds, the slope of the step
+    costs over K per request, at the batch's modelled rate), the head's ``sum_{j<k_i} S_i(j) - bar k_i``. The
+    head's drafts are already made when the scheduler decides (vLLM drafts after each step), so only the
+    verification is weighed; the chain needs no drafter, so a request takes one even in a step that drafts
+    nothing (``K = 0``).
+
+    vLLM's scheduler must see each request's output when it decides, so this runs under vLLM's synchronous
+    scheduler (``async_scheduling=False``)."""
+
+    name = "hybrid"
+    uses_context = True
+
+    def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR,
+                 min_n: int = 2, max_n: int = 4) -> None:
+        super().__init__(costs, k_max, prior)
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"min_n ({min_n}) must be in 1..max_n ({max_n})")
+        self.min_n, self.max_n = min_n, max_n
+        self.chain_rates = [Acceptance(self.k_max, prior, strength=4.0) for _ in MATCH_BUCKETS]
+        self.indexes: dict[str, tuple[ContextIndex, int]] = {}
+        self.chained: dict[str, int] = {}
+        """Requests verifying a chain this step, and the bucket of their match."""
+        self.chain_steps = 0
+        """Request-steps that verified a chain instead of the head's drafts."""
+
+    def _index(self, request: str, tokens: Sequence[int]) -> ContextIndex:
+        index, seen = self.indexes.get(request, (None, 0))
+        if index is None or len(tokens) < seen:  # a new request, or one whose tokens were replaced
+            index, seen = ContextIndex(max_ngram=self.max_n), 0
+        index.extend(tokens[seen:])
+        self.indexes[request] = (index, len(tokens))
+        return index
+
+    def chains(self, contexts: Mapping[str, Sequence[int]], lengths: Mapping[str, int], k_max: Mapping[str, int]
+               ) -> dict[str, tuple[int, ...]]:
+        """The context chains to verify in place of the head's drafts, after :meth:`decide`: ``contexts`` holds
+        each decoding request's tokens (prompt and output, the last one not yet verified's root), ``lengths`` the
+        head drafts it would verify (``decide``'s ``k_i``, or fewer where fewer were drafted), ``k_max`` the
+        most tokens it may verify (the context length left)."""
+        self.chained = {}
+        if self.k_max == 0 or not contexts:
+            return {}
+        b, rate = self.batch_size, self.rate
+        top = self.k_max
+        slope = (self.costs.time(b, top) - self.costs.time(b, 1)) / (top - 1) if top > 1 else \
+            self.costs.time(b, 1) - self.costs.time(b, 0)
+        bar = rate * max(slope, 0.0) / b
+        out = {}
+        for r, tokens in contexts.items():
+            limit = min(self.k_max, k_max.get(r, self.k_max))
+            if limit < 1:
+                continue
+            m = self._index(r, tokens).match(limit, self.min_n)
+            if m is None:
+                continue
+            bucket = sum(1 for lo in MATCH_BUCKETS if m.length >= lo) - 1
+            c = self.chain_rates[bucket].survival(limit)
+            gains = [sum(c[:k]) - bar * k for k in range(limit + 1)]
+            k_c = max(range(limit + 1), key=lambda k: (gains[k], -k))
+            k_h = lengths.get(r, 0)
+            head = sum(self._acceptance(r).survival(k_h)) - bar * k_h
+            if k_c and gains[k_c] > head:
+                out[r] = m.tokens[:k_c]
+                self.chained[r] = bucket
+        self.chain_steps += len(out)
+        return out
+
+    def observe(self, request: str, drafted: int, accepted: int) -> None:
+        bucket = self.chained.get(request)
+        if bucket is None:
+            super().observe(request, drafted, accepted)
+        else:
+            self.chain_rates[bucket].observe(drafted, accepted)
+
+    def forget(self, live: Iterable[str]) -> None:
+        super().forget(live)
+        keep = set(live)
+        for r in [r for r in self.indexes if r not in keep]:
+            del self.indexes[r]
+
+
+CONTROLLERS = ("fixed", "costaware", "hybrid")
 
 
 def build_controller(settings: Mapping, k_max: int):
@@ -270,10 +371,10 @@ def build_controller(settings: Mapping, k_max: int):
             raise ValueError(f"additional_config['adaptree']['k'] must be an integer in 0..{k_max} "
                              f"(num_speculative_tokens), got {k!r}")
         return FixedLength(k)
-    if name == "costaware":
+    if name in ("costaware", "hybrid"):
         path = settings.get("step_costs")
         if not path:
-            raise ValueError("the costaware controller needs additional_config['adaptree']['step_costs']: the file "
+            raise ValueError(f"the {name} controller needs additional_config['adaptree']['step_costs']: the file "
                              "adaptree.vllm_plugin.engine.measure_step_costs writes")
-        return CostAwareLength(StepCosts.load(path), k_max)
+        return (CostAwareLength if name == "costaware" else HybridLength)(StepCosts.load(path), k_max)
     raise ValueError(f"additional_config['adaptree']['controller'] must be one of {CONTROLLERS}, got {name!r}")

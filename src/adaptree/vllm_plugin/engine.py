@@ -25,6 +25,29 @@ VLLM_ARM_PREFIX = "vllm"
 SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"
 """With async scheduling (vLLM's default where the executor has it, as for the plain and fixed-K arms beside it):
 the scheduler plans step t+1 while step t runs."""
+SYNC_SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
+"""Without: for a controller that reads each request's output when it decides (``hybrid``)."""
+
+
+def speculative_config(method: str, k: int, head: str | Path | None = None) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` of ``k`` drafts per step: ``eagle3`` (``head``: the exported drafter folder)
+    or ``ngram`` (vLLM's prompt lookup, 2- to 4-token matches as adaptree's ``ngram``)."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "eagle3":
+        if head is None:
+            raise ValueError("eagle3 drafts need the head exported for vLLM (adaptree export-head)")
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    raise ValueError(f"speculative method must be eagle3 or ngram, got {method!r}")
+
+
+def plugin_settings(controller: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's engine settings that put adaptree's scheduler and worker in charge of the drafts, ``controller``
+    being ``additional_config["adaptree"]`` (:func:`adaptree.vllm_plugin.control.build_controller`): the keyword
+    arguments of ``vllm.LLM``, the flags of vLLM's server by the same names."""
+    sync = controller.get("controller") == "hybrid"  # it reads each request's output, which async has not yet
+    return {"scheduler_cls": SYNC_SCHEDULER if sync else SCHEDULER, "worker_cls": worker_class(),
+            "async_scheduling": not sync, "additional_config": {"adaptree": dict(controller)}}
 
 
 def worker_class() -> str:
@@ -86,8 +109,7 @@ def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 
     if arm.adaptree is not None:
         if arm.spec is None:
             raise ValueError(f"arm {arm.name}: adaptree's controller decides drafts; the arm needs a speculative_config")
-        kwargs.update(scheduler_cls=SCHEDULER, worker_cls=worker_class(), async_scheduling=True,
-                      additional_config={"adaptree": dict(arm.adaptree)})
+        kwargs.update(plugin_settings(arm.adaptree))
     return LLM(model=str(target), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
                max_num_seqs=max_num_seqs, disable_log_stats=False, **kwargs)
 
@@ -136,6 +158,8 @@ class BatchResult:
     """Engine steps (adaptree's scheduler counts them; 0 under vLLM's own)."""
     drafter_skips: int = 0
     """Steps in which adaptree's worker left the drafter off (K = 0)."""
+    chains: int = 0
+    """Request-steps that verified the context's chain in place of the head's drafts (the hybrid controller)."""
 
     @property
     def tokens(self) -> int:
@@ -167,6 +191,7 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     skips_before = getattr(runner, "drafter_skips", 0)
     sched = scheduler_of(llm)
     steps_before = getattr(sched, "steps_done", 0)
+    chains_before = getattr(getattr(sched, "controller", None), "chain_steps", 0)
     admitted = sched.max_num_active_reqs
     if streams is not None:
         if not 1 <= streams <= sched.max_num_running_reqs:
@@ -186,7 +211,8 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
         latencies.append(float(m.last_token_ts - m.scheduled_ts) if ok else wall)  # from admission: no queueing
     return BatchResult([list(o.outputs[0].token_ids) for o in outs], wall, latencies,
                        *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before,
-                       drafter_skips=getattr(runner, "drafter_skips", 0) - skips_before)
+                       drafter_skips=getattr(runner, "drafter_skips", 0) - skips_before,
+                       chains=getattr(getattr(sched, "controller", None), "chain_steps", 0) - chains_before)
 
 
 def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
@@ -204,7 +230,7 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
 
     if not prompts:
         raise ValueError("measure_step_costs needs at least one prompt")
-    arm = Arm("step-costs", spec={"method": "eagle3", "model": str(head), "num_speculative_tokens": k_max},
+    arm = Arm("step-costs", spec=speculative_config("eagle3", k_max, head),
               adaptree={"controller": "fixed", "k": k_max})
     llm = make_llm(target, arm, dtype=dtype, threads=threads, max_num_seqs=max(batch_sizes))
     sched = scheduler_of(llm)

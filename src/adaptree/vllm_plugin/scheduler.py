@@ -57,6 +57,10 @@ class _DraftControl:
             raise ValueError("adaptree's scheduler decides speculative drafts: configure vLLM's speculative_config "
                              "(method eagle3, num_speculative_tokens = the most drafts a step may take)")
         self.controller = build_controller(settings, self.num_spec_tokens)
+        if self.controller.uses_context and isinstance(self, AsyncScheduler):
+            raise ValueError(f"the {self.controller.name} controller reads each request's output when it decides, "
+                             "which vLLM's async scheduler has not received yet: use "
+                             "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler with async_scheduling=False")
         # vLLM's dynamic speculative decoding reads K from this batch-size lookup; schedule() fills it with the
         # controller's K before every step (so vLLM also sizes its async placeholders by it, and stops padding new
         # decode requests to the full draft length)
@@ -84,6 +88,8 @@ class _DraftControl:
             k = ks.get(r.request_id, 0)
             if len(r.spec_token_ids) > k:  # never more than were drafted (under async scheduling: placeholders)
                 r.spec_token_ids = r.spec_token_ids[:k]  # a new list: async scheduling shares its placeholders
+        if self.controller.uses_context:
+            self._chains(ks)
         self.dynamic_sd_lookup = [k_next] * len(self.dynamic_sd_lookup)
         out = super().schedule(*args, **kwargs)
         if out.num_scheduled_tokens:
@@ -92,6 +98,21 @@ class _DraftControl:
             prefill = out.total_num_scheduled_tokens - sum(out.num_scheduled_tokens[r] for r in decoding)
             self._open = (now, len(decoding), tuple(len(spec.get(r, ())) for r in decoding), k_next, prefill)
         return out
+
+    def _chains(self, ks) -> None:
+        """The context chains the controller verifies in place of the head's drafts (synchronous scheduling: each
+        request's output is complete here)."""
+        contexts, lengths, room = {}, {}, {}
+        for r in self.running:
+            # decoding: everything but the last sampled token computed; a grammar would have to check the chain
+            if r.is_prefill_chunk or r.num_computed_tokens != r.num_tokens - 1 or r.use_structured_output:
+                continue
+            rid = r.request_id
+            contexts[rid] = r.all_token_ids
+            lengths[rid] = min(len(r.spec_token_ids), ks.get(rid, 0))
+            room[rid] = min(self.max_model_len - r.num_tokens - 1, r.max_tokens - r.num_output_tokens - 1)
+        for rid, chain in self.controller.chains(contexts, lengths, room).items():
+            self.requests[rid].spec_token_ids = list(chain)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         sampled = model_runner_output.sampled_token_ids

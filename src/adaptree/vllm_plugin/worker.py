@@ -5,9 +5,10 @@ When adaptree's controller decides ``K = 0`` (a full batch, where drafting costs
 EAGLE path still runs the drafter's first forward over every scheduled token, to keep the drafter's KV cache in
 step, returns no drafts, and samples through its rejection sampler: measured on SmolLM2 at 16 streams, a step cost
 7-14% more than plain decoding's (docs/vllm.md). This worker's model runner skips the drafter in such a step when
-every request in it decodes one token (a step with prompt tokens still runs it: that pass is what puts the prompt
-into the drafter's cache), doing only the bookkeeping vLLM's next step reads (the last valid sampled token per
-request), and samples a step without drafts as plain decoding does.
+no request in it computes prompt tokens (each decodes its last token and verifies the drafts it has, a context
+chain of the hybrid controller for one; a step with prompt tokens still runs the drafter: that pass is what puts
+the prompt into the drafter's cache), doing only the bookkeeping vLLM's next step reads (the last valid sampled
+token per request), and samples a step without drafts as plain decoding does.
 
 The trade: the drafter's cache keeps no entries for the positions of skipped steps, so drafts made after a busy
 stretch see a context with holes and are accepted less (never wrong: verification is the target's). The controller
@@ -44,11 +45,14 @@ class _IdleDrafterOff:
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         spec = self.speculative_config
-        # only a step of one token per request: the drafter's first pass over prompt tokens is the only way its
-        # cache ever holds the prompt, which every later draft of that request reads
+        # only a step without prompt tokens (each request computes its last token and the drafts it verifies): the
+        # drafter's first pass over prompt tokens is the only way its cache ever holds the prompt, which every
+        # later draft of that request reads
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         skip = (scheduler_output.num_spec_tokens_to_schedule == 0 and spec.use_eagle()
                 and not spec.disable_padded_drafter_batch and isinstance(sampled_token_ids, torch.Tensor)
-                and scheduler_output.total_num_scheduled_tokens == len(scheduler_output.num_scheduled_tokens))
+                and all(n == 1 + len(spec_tokens.get(r, ()))
+                        for r, n in scheduler_output.num_scheduled_tokens.items()))
         if not skip:
             return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
         self.drafter_skips += 1
