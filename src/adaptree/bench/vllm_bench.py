@@ -203,20 +203,22 @@ def _summary(records: list[dict], arms: list[str], streams: list[int]) -> dict:
                 "median_stream_tokens_per_s": statistics.median(per_stream) if per_stream else None,
                 "median_latency_s": statistics.median(lat) if lat else None,
                 "outputs_differing": differ, "steps": sum(r["steps"] for r in rs),
-                "drafter_skips": sum(r.get("drafter_skips", 0) for r in rs)})
+                "drafter_skips": sum(r.get("drafter_skips", 0) for r in rs),
+                "chains": sum(r.get("chains", 0) for r in rs)})
     return out
 
 
 def _steps(row: dict) -> str:
-    """Engine steps and those with the drafter off, where adaptree's scheduler counted them."""
+    """Engine steps, those with the drafter off and the request-steps that verified a context chain, where
+    adaptree's scheduler counted them."""
     if not row.get("steps"):
         return "—"
-    return f"{row['steps']}, {row.get('drafter_skips', 0)}"
+    return f"{row['steps']}, {row.get('drafter_skips', 0)}, {row.get('chains', 0)}"
 
 
 def table(summary: dict) -> str:
     lines = ["| arm | streams | total tok/s | vs " + summary["reference"] + " | τ | per-stream tok/s (median) | "
-             "latency s (median) | steps, drafter off | outputs ≠ ref |", "|---|---|---|---|---|---|---|---|---|"]
+             "latency s (median) | steps, drafter off, chains | outputs ≠ ref |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "—"
         vs = f"{r['vs_reference']:.2f}x" if r["vs_reference"] else "—"
@@ -307,7 +309,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                     rec = {"arm": a, "streams": n, "batch": b, "repeat": rep, "tokens": res.tokens,
                            "wall_s": res.wall_s, "latencies_s": res.latencies_s, "drafts": res.drafts,
                            "draft_tokens": res.draft_tokens, "accepted_tokens": res.accepted_tokens,
-                           "steps": res.steps, "drafter_skips": res.drafter_skips, "outputs": res.outputs}
+                           "steps": res.steps, "drafter_skips": res.drafter_skips, "chains": res.chains,
+                           "outputs": res.outputs}
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     records.append(rec)
