@@ -165,18 +165,27 @@ def test_serve_engine_vllm_answers_the_openai_api_and_names_bad_fields(setup, tm
 
 
 def test_vllm_arms_of_adaptree_bench_keep_plain_vllms_text(tmp_path):
-    """``adaptree bench --methods ar,vllm,vllm_eagle3``: vLLM's arms run in their workers beside the engine, and the
-    exported head's greedy text (float32) is plain vLLM's."""
+    """``adaptree bench --methods ar,vllm,vllm_eagle3 --streams 2``: vLLM's arms run in their workers beside the
+    engine, one prompt at a time and then two at once, and the exported head's greedy text (float32) is plain
+    vLLM's in both."""
     import json
 
     import adaptree
     from adaptree.bench.runner import BenchConfig, run_bench
 
     pipe = adaptree.load(None, dtype="float32", adapt=False)
-    run_bench(BenchConfig(methods=["ar", "vllm", "vllm_eagle3"], datasets=["humaneval"], limit=2, max_new_tokens=32,
-                          turns=1, out=str(tmp_path / "b")), pipe)
+    summary = run_bench(BenchConfig(methods=["ar", "vllm", "vllm_eagle3"], datasets=["humaneval"], limit=2,
+                                    max_new_tokens=32, turns=1, streams=2, out=str(tmp_path / "b")), pipe)
     records = [json.loads(line) for line in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
     ids = {(r["method"], r["prompt_id"]): r["token_ids"] for r in records}
     prompts = {p for _, p in ids}
     assert len(prompts) == 2 and all(len(ids[("vllm", p)]) == 32 for p in prompts)
     assert all(ids[("vllm_eagle3", p)] == ids[("vllm", p)] for p in prompts)
+    batches = {r["arm"]: r for r in map(json.loads, (tmp_path / "b" / "streams.jsonl").read_text().splitlines())}
+    assert set(batches) == {"vllm", "vllm_eagle3"}
+    assert len(batches["vllm"]["outputs"]) == 4 and batches["vllm_eagle3"]["outputs"] == batches["vllm"]["outputs"]
+    # the same text as one stream at a time: the requests are the prompts cycled
+    assert sorted(map(tuple, batches["vllm"]["outputs"][:2])) == sorted(tuple(ids[("vllm", p)]) for p in prompts)
+    rows = {r["arm"]: r for r in summary["streams"]["rows"]}
+    assert rows["vllm_eagle3"]["outputs_differing"] == 0 and rows["vllm"]["tokens"] == 4 * 32
+    assert "## 2 streams (vLLM arms)" in (tmp_path / "b" / "report.md").read_text()

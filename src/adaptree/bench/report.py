@@ -237,6 +237,9 @@ def write_report(summary: dict, out: Path) -> None:
               "verified draft nodes per cycle; policy%: controller time / wall time; ≠AR: runs whose token ids "
               f"differ from AR's (greedy only); p vs ref: paired Wilcoxon signed-rank test of per-run tokens/s "
               f"against {summary.get('reference')}.", ""]
+    from adaptree.bench.streams import report_lines
+
+    lines += report_lines(summary.get("streams"))
     lines += ["## Acceptance by draft position", "",
               "P(accepted ≥ i | reachable) per position i (all datasets pooled where there are several).", ""]
     pooled = summary["results"].get("all") or next(iter(summary["results"].values()), {})

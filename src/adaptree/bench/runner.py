@@ -92,6 +92,10 @@ class BenchConfig:
     (None counts as 0)."""
     repeats: int = positive(1)
     """Runs of every prompt and arm."""
+    streams: int = positive(1)
+    """With N > 1, the vLLM arms also serve the first turns N at once after the single-stream runs (continuous
+    batching, as N clients): total tok/s and per-stream latency in a table of their own (streams.jsonl,
+    report.md; :mod:`adaptree.bench.streams`)."""
     reference: str | None = "static"
     """Method every other one is tested against (paired Wilcoxon, speed ratio); None or absent = skip."""
     assistant_model: str | None = None
@@ -129,6 +133,9 @@ class BenchConfig:
             self.sampling = SamplingConfig(**self.sampling)
         if self.sampling.seed is None:  # every arm, and a resumed run, samples with the same seeds
             self.sampling = replace(self.sampling, seed=0)
+        if self.streams > 1 and not any(m.startswith("vllm") for m in self.methods):
+            raise ValueError(f"--streams {self.streams} runs the vLLM arms (vllm, vllm_eagle3, ...) that many requests "
+                             "at once; none of the methods is one")
         if self.reference is not None and self.reference not in self.methods:
             self.reference = None
         if self.oracle_latency and not self.sampling.greedy:
@@ -285,6 +292,10 @@ def finish(cfg: BenchConfig, rows: list[dict], out: Path, settings: dict, comman
     summary = _json_safe(summarize(rows, cfg))
     summary.update(config=asdict(cfg), settings=settings, machine=machine or machine_info(),
                    machine_setup=machine_setup, command=command, dropped_arms=dict(dropped or {}))
+    if cfg.streams > 1:
+        from adaptree.bench.streams import streams_summary
+
+        summary["streams"] = _json_safe(streams_summary(cfg, out))
     if cfg.oracle_latency:
         section = merge(Path(out), rows, cfg.methods)
         if section is not None:
@@ -450,6 +461,10 @@ def bench_loop(cfg: BenchConfig, arms: dict[str, Arm], encode, decode, sets, max
                 if running is not None and what and bar.n > todo - remaining:
                     running([done[k] for k in wanted], what)
         bar.close()
+        if cfg.streams > 1:  # while the vLLM arms' workers are up
+            from adaptree.bench.streams import run_streams
+
+            run_streams(cfg, arms, encode, sets, max_len, dropped)
     finally:
         for w in workers:
             w.close()

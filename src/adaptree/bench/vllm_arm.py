@@ -1,5 +1,5 @@
-"""vLLM as reference arms of ``adaptree bench``, one prompt at a time beside the engine's methods (many streams:
-``adaptree vllm-bench``; docs/vllm.md).
+"""vLLM as reference arms of ``adaptree bench``, one prompt at a time beside the engine's methods, and N at once
+with ``--streams N`` (:mod:`adaptree.bench.streams`; several N in one run: ``adaptree vllm-bench``; docs/vllm.md).
 
 - ``vllm``: vLLM's plain decoding;
 - ``vllm_ngram``: its n-gram drafts, 3 per step;
@@ -54,19 +54,22 @@ def vllm_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRec
             raise ValueError(f"the {method} arm drafts with a head; this bench has none (--draft)")
         head = str(pipeline.head_folder)
     return ArmRecipe(build_vllm_arm, {"model": pipeline.model, "head": head, "dtype": dtype,
-                                      "max_model_len": pipeline.engine.max_len})
+                                      "max_model_len": pipeline.engine.max_len, "max_num_seqs": cfg.streams})
 
 
 def build_vllm_arm(methods: Sequence[str], model: str | None, head: str | None, dtype: str,
-                   max_model_len: int) -> dict:
+                   max_model_len: int, max_num_seqs: int = 1) -> dict:
     """The vLLM arms ``methods`` (in a worker process, one engine each: the recipe's group is the arm's own)."""
-    return {m: VllmArm(m, model, head, dtype, max_model_len) for m in methods}
+    return {m: VllmArm(m, model, head, dtype, max_model_len, max_num_seqs) for m in methods}
 
 
 class VllmArm:
-    """One vLLM configuration, called like an engine arm."""
+    """One vLLM configuration, called like an engine arm with one prompt's ids, or with ``[prompts, N]`` to serve
+    them N at once (``adaptree bench --streams N``: :mod:`adaptree.bench.streams`), returning a
+    :class:`~adaptree.vllm_plugin.engine.BatchResult`."""
 
-    def __init__(self, method: str, model: str | None, head: str | None, dtype: str, max_model_len: int) -> None:
+    def __init__(self, method: str, model: str | None, head: str | None, dtype: str, max_model_len: int,
+                 max_num_seqs: int = 1) -> None:
         import torch
 
         from adaptree.bench.vllm_bench import vllm_arm
@@ -87,11 +90,15 @@ class VllmArm:
         arm = vllm_arm(f"{method}:{k}" if k else method, exported, costs)
         self.method = method
         self.llm = make_llm(target_folder(model, getattr(torch, dtype)), arm, dtype=dtype,
-                            max_model_len=max_model_len, threads=threads, max_num_seqs=1)
+                            max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)
         self._generate = generate_batch
         self._generate(self.llm, [[1, 2, 3]], 8)  # warm-up
 
     def __call__(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> GenerationResult:
+        if prompt_ids and isinstance(prompt_ids[0], list):  # [prompts, N]
+            prompts, streams = prompt_ids
+            return self._generate(self.llm, prompts, max_new_tokens, temperature=sampling.temperature or 0.0,
+                                  seed=sampling.seed or 0, streams=streams)
         res = self._generate(self.llm, [list(prompt_ids)], max_new_tokens, temperature=sampling.temperature or 0.0,
                              seed=sampling.seed or 0)
         out = res.outputs[0]

@@ -269,8 +269,10 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                 bar.total = total
                 bar.n = done
                 bar.refresh()
-            costs = measure_step_costs(target, exported, prompts, batch_sizes=sorted({1, 2, 4, 8, 16,
-                                                                                      *cfg.streams}),
+            # the batch sizes the run reaches (the controller interpolates between them)
+            top = max(cfg.streams)
+            sizes = sorted({b for b in (1, 2, 4, 8, 16) if b <= top} | set(cfg.streams))
+            costs = measure_step_costs(target, exported, prompts, batch_sizes=sizes,
                                        k_max=k_max, dtype=cfg.dtype, threads=cfg.threads, progress=tick)
             bar.close()
             costs.save(step_costs)

@@ -15,7 +15,9 @@ decides, per step:
 :class:`CostAwareLength` is adaptree's cost-aware rule (docs/adapting.md) on vLLM's terms: expected tokens per
 second of the whole batch, from :class:`StepCosts` (vLLM's own step time at B requests x K drafts, measured by
 :func:`adaptree.vllm_plugin.engine.measure_step_costs`) and each request's acceptance per draft position
-(:class:`Acceptance`, learned online from the verifications, starting from the batch's).
+(:class:`Acceptance`, learned online from the verifications, starting from the batch's). :class:`HybridLength` is
+adaptree's ``hybrid``: the same, each request verifying the context's chain in place of the head's drafts where
+that is worth more.
 """
 
 from __future__ import annotations
@@ -305,12 +307,12 @@ class HybridLength(CostAwareLength):
         self.indexes[request] = (index, len(tokens))
         return index
 
-    def chains(self, contexts: Mapping[str, Sequence[int]], lengths: Mapping[str, int], k_max: Mapping[str, int]
+    def chains(self, contexts: Mapping[str, Sequence[int]], lengths: Mapping[str, int], room: Mapping[str, int]
                ) -> dict[str, tuple[int, ...]]:
         """The context chains to verify in place of the head's drafts, after :meth:`decide`: ``contexts`` holds
-        each decoding request's tokens (prompt and output, the last one not yet verified's root), ``lengths`` the
-        head drafts it would verify (``decide``'s ``k_i``, or fewer where fewer were drafted), ``k_max`` the
-        most tokens it may verify (the context length left)."""
+        each decoding request's tokens (prompt and output; the step computes the last one), ``lengths`` the head
+        drafts it would verify (``decide``'s ``k_i``, or fewer where fewer were drafted), ``room`` the most draft
+        tokens it may verify (what its token limit and the context length leave)."""
         self.chained = {}
         if self.k_max == 0 or not contexts:
             return {}
@@ -321,7 +323,7 @@ class HybridLength(CostAwareLength):
         bar = rate * max(slope, 0.0) / b
         out = {}
         for r, tokens in contexts.items():
-            limit = min(self.k_max, k_max.get(r, self.k_max))
+            limit = min(self.k_max, room.get(r, self.k_max))
             if limit < 1:
                 continue
             m = self._index(r, tokens).match(limit, self.min_n)

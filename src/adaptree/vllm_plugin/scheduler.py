@@ -3,18 +3,20 @@ patched vLLM file).
 
 vLLM's scheduler decides, before every engine step, which tokens each running request computes: for a decoding
 request, its last sampled token plus the drafts the drafter left in ``request.spec_token_ids``. This subclass asks
-an adaptree controller (:mod:`adaptree.vllm_plugin.control`) first, keeps each request's first ``k_i`` drafts, and sets how
-many drafts the drafter makes after the step (``num_spec_tokens_to_schedule``, vLLM's dynamic speculative decoding
-field, which its EAGLE drafter and rejection sampler honour per step). Verification is vLLM's own: the text is
-the same as without drafts (lossless), only the work per step changes.
+an adaptree controller (:mod:`adaptree.vllm_plugin.control`) first, keeps each request's first ``k_i`` drafts (or,
+for the hybrid controller, puts the context's chain in their place), and sets how many drafts the drafter makes
+after the step (``num_spec_tokens_to_schedule``, vLLM's dynamic speculative decoding field, which its EAGLE drafter
+and rejection sampler honour per step). Verification is vLLM's own: the text is the same as without drafts
+(lossless), only the work per step changes.
 
 It also records each step's wall time (schedule to schedule: forward, sampling, drafting, bookkeeping) with the
 batch it ran, which :func:`adaptree.vllm_plugin.engine.measure_step_costs` turns into the controller's cost table.
 
 Enable it with ``scheduler_cls="adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"`` and
-``async_scheduling=True`` (vLLM's default where it can; or ``...AdaptiveDraftScheduler`` with it off), ``speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K_MAX}`` and
+``async_scheduling=True`` (vLLM's default where it can; or ``...AdaptiveDraftScheduler`` with it off, which the
+hybrid needs), ``speculative_config={"method": "eagle3", "model": HEAD, "num_speculative_tokens": K_MAX}`` and
 ``additional_config={"adaptree": {"controller": "costaware", "step_costs": PATH}}``:
-:func:`adaptree.vllm_plugin.engine.make_llm` sets all three.
+:func:`adaptree.vllm_plugin.engine.plugin_settings` gives them for a controller.
 """
 
 from __future__ import annotations
