@@ -142,7 +142,7 @@ def test_bench_config_rejects_bad_input(tmp_path):
         BenchConfig(methods=["static"])
     with pytest.raises(ValueError, match="--streams 4 runs the vLLM arms .*none of the methods is one"):
         BenchConfig(methods=["ar", "static"], streams=4)
-    with pytest.raises(ValueError, match="streams must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="streams must be >= 1, got 0"):
         BenchConfig(methods=["ar", "vllm"], streams=0)
     with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
         BenchConfig(sampling=SamplingConfig(temperature=-1.0))
