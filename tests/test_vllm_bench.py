@@ -3,7 +3,7 @@ the summary's ratios and output comparisons, and bad settings."""
 
 import pytest
 
-from adaptree.bench.vllm_bench import VllmBenchConfig, _requests, _summary, parse_arm, table
+from adaptree.bench.vllm_bench import VllmBenchConfig, parse_arm, stream_requests, summarize_batches, table
 
 
 def test_arm_names():
@@ -24,9 +24,9 @@ def test_arm_names():
 
 def test_n_streams_keep_n_busy_over_every_prompt():
     prompts = [[i] for i in range(6)]
-    assert _requests(prompts, 1) == prompts
-    assert _requests(prompts, 4) == prompts + prompts[:2]
-    assert len(_requests(prompts, 16)) == 32 and _requests(prompts, 16)[6] == [0]
+    assert stream_requests(prompts, 1) == prompts
+    assert stream_requests(prompts, 4) == prompts + prompts[:2]
+    assert len(stream_requests(prompts, 16)) == 32 and stream_requests(prompts, 16)[6] == [0]
 
 
 def _rec(arm, n, tokens, wall, outputs, drafts=0, accepted=0):
@@ -38,7 +38,7 @@ def _rec(arm, n, tokens, wall, outputs, drafts=0, accepted=0):
 def test_summary_ratios_tau_and_differing_outputs():
     records = [_rec("vllm", 1, 100, 2.0, [[1, 2], [3]]), _rec("vllm_eagle3:2", 1, 100, 1.0, [[1, 2], [4]], 10, 5),
                _rec("vllm", 4, 400, 2.0, [[1]] * 4)]
-    s = _summary(records, ["vllm", "vllm_eagle3:2"], [1, 4])
+    s = summarize_batches(records, ["vllm", "vllm_eagle3:2"], [1, 4])
     rows = {(r["arm"], r["streams"]): r for r in s["rows"]}
     assert rows[("vllm_eagle3:2", 1)]["vs_reference"] == pytest.approx(2.0)
     assert rows[("vllm_eagle3:2", 1)]["tau"] == pytest.approx(1.5)

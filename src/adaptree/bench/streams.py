@@ -33,7 +33,7 @@ def stream_arms(methods) -> list[str]:
 def run_streams(cfg, arms, encode, sets, max_len: int, dropped: dict[str, str]) -> list[dict]:
     """Run the ``cfg.streams``-stream batches through the vLLM arms of ``arms`` (their workers running) and append
     them to ``streams.jsonl``; returns every record of this configuration (old ones included)."""
-    from adaptree.bench.vllm_bench import _requests
+    from adaptree.bench.vllm_bench import stream_requests
 
     n = cfg.streams
     prompts = [ids for ids in (encode([{"role": "user", "content": p.turns[0]}]) for _, ps in sets for p in ps)
@@ -46,7 +46,7 @@ def run_streams(cfg, arms, encode, sets, max_len: int, dropped: dict[str, str]) 
             for m in names[rep % len(names):] + names[:rep % len(names)] if (m, rep) not in done]
     if not todo or not prompts:
         return records
-    batch = _requests(prompts, n)
+    batch = stream_requests(prompts, n)
     with path.open("a") as f, tqdm(total=len(todo), desc=f"{n} streams", unit="batch") as bar:
         for rep, m in todo:
             if m in dropped:
@@ -78,7 +78,7 @@ def read_streams(path: Path, streams: int) -> list[dict]:
 
 def streams_summary(cfg, out: Path) -> dict | None:
     """The N-stream table's data from ``out/streams.jsonl`` (None without ``--streams`` or records)."""
-    from adaptree.bench.vllm_bench import _summary
+    from adaptree.bench.vllm_bench import summarize_batches
 
     if cfg.streams <= 1:
         return None
@@ -86,7 +86,7 @@ def streams_summary(cfg, out: Path) -> dict | None:
     arms = [m for m in stream_arms(cfg.methods) if any(r["arm"] == m for r in records)]
     if not arms:
         return None
-    return _summary(records, arms, [cfg.streams])
+    return summarize_batches(records, arms, [cfg.streams])
 
 
 def report_lines(section: dict | None) -> list[str]:

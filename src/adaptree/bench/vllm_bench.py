@@ -165,13 +165,15 @@ def build_arms(methods: Sequence[str], target: str, model: str | None, head_expo
     return arms
 
 
-def _requests(prompts: list[list[int]], n: int) -> list[list[int]]:
+def stream_requests(prompts: list[list[int]], n: int) -> list[list[int]]:
     """The requests of an N-stream run: ``prompts`` cycled to ``max(2N, len(prompts))`` of them, so that N streams
     stay busy while most of them run (the last requests run with fewer beside them, as a server's queue drains)."""
     return [prompts[i % len(prompts)] for i in range(max(2 * n, len(prompts)))]
 
 
-def _summary(records: list[dict], arms: list[str], streams: list[int]) -> dict:
+def summarize_batches(records: list[dict], arms: list[str], streams: list[int]) -> dict:
+    """Per arm and number of streams, from the batch records: total tok/s and its ratio to ``arms[0]``'s, τ, median
+    per-stream rate and latency, outputs differing from ``arms[0]``'s, steps (the rows :func:`table` prints)."""
     ref = arms[0]
     out: dict = {"reference": ref, "rows": []}
     ref_outputs = {(r["streams"], r["batch"], r["repeat"]): r["outputs"] for r in records if r["arm"] == ref}
@@ -290,7 +292,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     workers = {a: ArmWorker(ArmRecipe(build_arms, {
         "target": str(target), "model": cfg.model, "head_export": str(exported), "head": head, "dtype": cfg.dtype,
         "threads": cfg.threads, "max_num_seqs": max(cfg.streams), "step_costs": step_costs}), [a]) for a in cfg.arms}
-    plan = [(rep, n, 0, _requests(prompts, n)) for rep in range(cfg.repeats) for n in cfg.streams]
+    plan = [(rep, n, 0, stream_requests(prompts, n)) for rep in range(cfg.repeats) for n in cfg.streams]
     todo = sum(1 for rep, n, b, _ in plan for a in cfg.arms if (a, n, b, rep) not in done)
     sampling = SamplingConfig(seed=0)
     try:
@@ -321,7 +323,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     finally:
         for w in workers.values():
             w.close()
-    summary = _summary(records, cfg.arms, cfg.streams)
+    summary = summarize_batches(records, cfg.arms, cfg.streams)
     summary["settings"] = settings
     summary["machine"] = machine_profile()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
