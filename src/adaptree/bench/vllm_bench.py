@@ -61,6 +61,11 @@ class VllmBenchConfig:
     use)."""
     threads: int | None = None
     """CPU threads (default: every core this process may use)."""
+    prefix_caching: bool = True
+    """vLLM's prefix caching (its default). The bench's requests repeat its prompts; with it, plain vLLM and its
+    n-gram arm compute only what follows the cached blocks of a prompt seen before, while with EAGLE-3 drafting
+    vLLM resumes a block earlier (the drafter needs the hidden states), which for prompts under two blocks is
+    none of it. Off: every arm computes every prompt, as with prompts no request shared."""
     out: str = "runs/vllm-bench"
 
     def __post_init__(self) -> None:
@@ -109,10 +114,12 @@ def vllm_arm(name: str, head: str | None, step_costs: str | None) -> Arm:
 class _VllmBatchArm:
     """A vLLM arm in a worker: ``arm((prompts, streams), max_new_tokens, sampling) -> BatchResult``."""
 
-    def __init__(self, target: str, arm: Arm, dtype: str, threads: int | None, max_num_seqs: int) -> None:
+    def __init__(self, target: str, arm: Arm, dtype: str, threads: int | None, max_num_seqs: int,
+                 prefix_caching: bool = True) -> None:
         from adaptree.vllm_plugin.engine import generate_batch, make_llm
 
-        self.llm = make_llm(target, arm, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs)
+        self.llm = make_llm(target, arm, dtype=dtype, threads=threads, max_num_seqs=max_num_seqs,
+                            prefix_caching=prefix_caching)
         self._generate = generate_batch
         self._generate(self.llm, [[1, 2, 3]], 8)  # warm-up
 
@@ -153,7 +160,7 @@ class _ChainArm:
 
 
 def build_arms(methods: Sequence[str], target: str, model: str | None, head_export: str, head: str, dtype: str,
-               threads: int | None, max_num_seqs: int, step_costs: str | None) -> dict:
+               threads: int | None, max_num_seqs: int, step_costs: str | None, prefix_caching: bool = True) -> dict:
     """The arms ``methods`` (in a worker process)."""
     arms = {}
     for m in methods:
@@ -161,7 +168,8 @@ def build_arms(methods: Sequence[str], target: str, model: str | None, head_expo
         if kind == "adaptree_chain":
             arms[m] = _ChainArm(model, head, k, dtype)
         else:
-            arms[m] = _VllmBatchArm(target, vllm_arm(m, head_export, step_costs), dtype, threads, max_num_seqs)
+            arms[m] = _VllmBatchArm(target, vllm_arm(m, head_export, step_costs), dtype, threads, max_num_seqs,
+                                    prefix_caching)
     return arms
 
 
@@ -220,7 +228,8 @@ def _steps(row: dict) -> str:
 
 def table(summary: dict) -> str:
     lines = ["| arm | streams | total tok/s | vs " + summary["reference"] + " | τ | per-stream tok/s (median) | "
-             "latency s (median) | steps, drafter off, chains | outputs ≠ ref |", "|---|---|---|---|---|---|---|---|---|"]
+             "latency s (median) | steps, drafter off, chains | outputs ≠ ref |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "—"
         vs = f"{r['vs_reference']:.2f}x" if r["vs_reference"] else "—"
@@ -291,7 +300,8 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                 done.add((r["arm"], r["streams"], r["batch"], r["repeat"]))
     workers = {a: ArmWorker(ArmRecipe(build_arms, {
         "target": str(target), "model": cfg.model, "head_export": str(exported), "head": head, "dtype": cfg.dtype,
-        "threads": cfg.threads, "max_num_seqs": max(cfg.streams), "step_costs": step_costs}), [a]) for a in cfg.arms}
+        "threads": cfg.threads, "max_num_seqs": max(cfg.streams), "step_costs": step_costs,
+        "prefix_caching": cfg.prefix_caching}), [a]) for a in cfg.arms}
     plan = [(rep, n, 0, stream_requests(prompts, n)) for rep in range(cfg.repeats) for n in cfg.streams]
     todo = sum(1 for rep, n, b, _ in plan for a in cfg.arms if (a, n, b, rep) not in done)
     sampling = SamplingConfig(seed=0)

@@ -98,8 +98,10 @@ class Arm:
 
 
 def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 0, max_model_len: int = 4096,
-             enforce_eager: bool = True, threads: int | None = None, max_num_seqs: int = 32):
-    """A ``vllm.LLM`` on the Hugging Face folder ``target`` configured as ``arm``."""
+             enforce_eager: bool = True, threads: int | None = None, max_num_seqs: int = 32,
+             prefix_caching: bool = True):
+    """A ``vllm.LLM`` on the Hugging Face folder ``target`` configured as ``arm`` (``prefix_caching``: vLLM's, on
+    by default as in vLLM)."""
     cpu_environment(threads)
     from vllm import LLM
 
@@ -111,7 +113,7 @@ def make_llm(target: str | Path, arm: Arm, dtype: str = "bfloat16", seed: int = 
             raise ValueError(f"arm {arm.name}: adaptree's controller decides drafts; the arm needs a speculative_config")
         kwargs.update(plugin_settings(arm.adaptree))
     return LLM(model=str(target), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager,
-               max_num_seqs=max_num_seqs, disable_log_stats=False, **kwargs)
+               max_num_seqs=max_num_seqs, disable_log_stats=False, enable_prefix_caching=prefix_caching, **kwargs)
 
 
 def scheduler_of(llm):
