@@ -133,7 +133,7 @@ class BenchConfig:
             self.sampling = SamplingConfig(**self.sampling)
         if self.sampling.seed is None:  # every arm, and a resumed run, samples with the same seeds
             self.sampling = replace(self.sampling, seed=0)
-        if self.streams > 1 and not any(m.startswith("vllm") for m in self.methods):
+        if self.streams > 1 and not any(m in VLLM_METHODS for m in self.methods):
             raise ValueError(f"--streams {self.streams} runs the vLLM arms (vllm, vllm_eagle3, ...) that many requests "
                              "at once; none of the methods is one")
         if self.reference is not None and self.reference not in self.methods:

@@ -33,11 +33,11 @@ def stream_arms(methods) -> list[str]:
 def run_streams(cfg, arms, encode, sets, max_len: int, dropped: dict[str, str]) -> list[dict]:
     """Run the ``cfg.streams``-stream batches through the vLLM arms of ``arms`` (their workers running) and append
     them to ``streams.jsonl``; returns every record of this configuration (old ones included)."""
+    from adaptree.bench.oracle_section import first_turn_prompts
     from adaptree.bench.vllm_bench import stream_requests
 
     n = cfg.streams
-    prompts = [ids for ids in (encode([{"role": "user", "content": p.turns[0]}]) for _, ps in sets for p in ps)
-               if len(ids) < max_len]
+    prompts = [ids for turns in first_turn_prompts(sets, encode, max_len).values() for _, ids in turns]
     path = Path(cfg.out) / STREAMS
     records = read_streams(path, n)
     done = {(r["arm"], r["repeat"]) for r in records}

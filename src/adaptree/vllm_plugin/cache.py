@@ -17,12 +17,9 @@ def _digest(*parts: object) -> str:
 
 
 def _file_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(folder / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:16]
+    from adaptree.models.cache import file_sha256  # remembered per file: an unchanged head is hashed once
+
+    return _digest(*(file_sha256(folder / name) for name in ("config.json", "model.safetensors")))
 
 
 def prepared_head(model: str | None, head: str, dtype: str) -> Path:

@@ -293,18 +293,17 @@ class HybridLength(CostAwareLength):
             raise ValueError(f"min_n ({min_n}) must be in 1..max_n ({max_n})")
         self.min_n, self.max_n = min_n, max_n
         self.chain_rates = [Acceptance(self.k_max, prior, strength=4.0) for _ in MATCH_BUCKETS]
-        self.indexes: dict[str, tuple[ContextIndex, int]] = {}
+        self.indexes: dict[str, ContextIndex] = {}
         self.chained: dict[str, int] = {}
         """Requests verifying a chain this step, and the bucket of their match."""
         self.chain_steps = 0
         """Request-steps that verified a chain instead of the head's drafts."""
 
     def _index(self, request: str, tokens: Sequence[int]) -> ContextIndex:
-        index, seen = self.indexes.get(request, (None, 0))
-        if index is None or len(tokens) < seen:  # a new request, or one whose tokens were replaced
-            index, seen = ContextIndex(max_ngram=self.max_n), 0
-        index.extend(tokens[seen:])
-        self.indexes[request] = (index, len(tokens))
+        index = self.indexes.get(request)
+        if index is None or len(tokens) < len(index):  # a new request, or one whose tokens were replaced
+            index = self.indexes[request] = ContextIndex(max_ngram=self.max_n)
+        index.extend(tokens[len(index):])
         return index
 
     def chains(self, contexts: Mapping[str, Sequence[int]], lengths: Mapping[str, int], room: Mapping[str, int]
