@@ -37,19 +37,23 @@ def setup(tmp_path_factory):
     prompts = [tok.apply_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     # rows nearly free at one request, a whole token's time each from three on: the controller drafts at B=1 and
     # backs off at B=3, so both of its decisions run
-    costs = StepCosts([1, 3], [[0.030 + 0.001 * k for k in range(4)], [0.030 + 0.030 * k for k in range(4)]])
+    # the grid search (static-gs): 2 drafts fastest at one request, none at three
+    costs = StepCosts([1, 3], [[0.030 + 0.001 * k for k in range(4)], [0.030 + 0.030 * k for k in range(4)]], {},
+                      [[30.0, 35.0, 40.0, 38.0], [90.0, 80.0, 70.0, 60.0]])
     costs.save(root / "costs.json")
     return target, head, prompts, root / "costs.json"
 
 
 def _run(setup, arms, batches):
     from adaptree.bench.vllm_bench import build_arms
+    from adaptree.models.assets import shipped_head
 
     target, head, _, costs = setup
     out = {}
     for arm in arms:
         worker = ArmWorker(ArmRecipe(build_arms, {"target": str(target), "model": None, "head_export": str(head),
-                                                  "head": None, "dtype": "float32", "threads": None,
+                                                  "head": str(shipped_head(None)), "dtype": "float32",
+                                                  "threads": None,
                                                   "max_num_seqs": 4, "step_costs": str(costs)}), [arm])
         try:
             out[arm] = [worker.run(arm, (b, len(b)), 48, SamplingConfig()) for b in batches]
@@ -58,13 +62,25 @@ def _run(setup, arms, batches):
     return out
 
 
+CONTROLLED = ("vllm_static-gs:3", "vllm_costaware:3", "vllm_hybrid:3", "vllm_deagle:3", "vllm_radar:3",
+              "vllm_ltd:3")
+
+
 def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
     _, _, prompts, _ = setup
     batches = [[p] for p in prompts] + [prompts]  # one stream each, then three at once
-    runs = _run(setup, ["vllm", "vllm_eagle3:3", "vllm_costaware:3", "vllm_hybrid:3"], batches)
-    for arm in ("vllm_eagle3:3", "vllm_costaware:3", "vllm_hybrid:3"):
+    runs = _run(setup, ["vllm", "vllm_eagle3:3", *CONTROLLED], batches)
+    for arm in ("vllm_eagle3:3", *CONTROLLED):
         for got, ref in zip(runs[arm], runs["vllm"]):
             assert got.outputs == ref.outputs, arm
+    # the stop rules read the drafter's log-probs (adaptree's worker records them, vLLM's synchronous engine hands
+    # them to the scheduler) and left drafts unverified; the shipped RADAR policy stops at the first draft
+    for arm in ("vllm_deagle:3", "vllm_radar:3"):
+        assert sum(r.stopped for r in runs[arm][:3]) > 0 and sum(r.accepted_tokens for r in runs[arm][:3]) > 0, arm
+    # static-gs: the grid's 2 drafts per step at one stream, none at three (the drafter off)
+    grid = runs["vllm_static-gs:3"]
+    assert all(r.drafts < r.draft_tokens <= 2 * r.drafts for r in grid[:3]) and grid[3].draft_tokens == 0
+    assert grid[3].drafter_skips > 0
     # the hybrid verified context chains in place of the head's drafts (the answers repeat their context), under
     # vLLM's synchronous scheduler
     assert sum(r.chains for r in runs["vllm_hybrid:3"]) > 0

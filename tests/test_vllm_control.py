@@ -121,8 +121,8 @@ def test_fixed_and_settings():
         build_controller({"controller": "fixed", "k": 7}, 5)
     with pytest.raises(ValueError, match="needs additional_config"):
         build_controller({"controller": "costaware"}, 5)
-    with pytest.raises(ValueError, match="must be one of .*got 'ltd'"):
-        build_controller({"controller": "ltd"}, 5)
+    with pytest.raises(ValueError, match="must be one of .*got 'resps'"):
+        build_controller({"controller": "resps"}, 5)
     with pytest.raises(ValueError, match=r"unknown settings \['kk'\]"):
         build_controller({"kk": 1}, 5)
 
@@ -173,3 +173,131 @@ def test_hybrid_verifies_the_contexts_chain_where_it_is_worth_more_than_the_head
     assert not bad.indexes and not bad.requests
     with pytest.raises(ValueError, match="the hybrid controller needs"):
         build_controller({"controller": "hybrid"}, 5)
+
+
+def _grid(costs, rates):
+    """``costs`` with the grid search's tokens per second ``rates`` (one row per batch size)."""
+    return StepCosts(costs.batch_sizes, costs.seconds, {}, [list(map(float, row)) for row in rates])
+
+
+def test_static_gs_drafts_the_grids_fastest_length_at_each_batch_size(tmp_path):
+    from adaptree.vllm_plugin.control import StaticGridLength
+
+    c = _grid(_costs(), [[30, 40, 45, 44, 43, 41], [100, 110, 105, 100, 90, 80], [300, 250, 200, 180, 160, 150]])
+    assert [c.best_fixed(b) for b in (1, 2, 3, 4, 15, 16, 64)] == [2, 2, 2, 1, 1, 0, 0]
+    c.save(tmp_path / "c.json")
+    assert StepCosts.load(tmp_path / "c.json") == c
+    ctl = build_controller({"controller": "static-gs", "step_costs": str(tmp_path / "c.json")}, 5)
+    assert isinstance(ctl, StaticGridLength) and not ctl.reads_drafts
+    assert ctl.decide(["a"]) == ({"a": 2}, 2)
+    assert ctl.decide([f"r{i}" for i in range(5)])[1] == 1
+    assert ctl.decide([f"r{i}" for i in range(16)])[1] == 0
+    assert StaticGridLength(c, k_max=1).decide(["a"]) == ({"a": 1}, 1)  # never past num_speculative_tokens
+    _costs().save(tmp_path / "old.json")  # measured before the grid was recorded
+    with pytest.raises(ValueError, match="no grid search"):
+        build_controller({"controller": "static-gs", "step_costs": str(tmp_path / "old.json")}, 5)
+    with pytest.raises(ValueError, match="shape of seconds"):
+        StepCosts([1], [[0.1, 0.2]], {}, [[1.0]])
+
+
+def _logprobs(probs, width=1):
+    """Drafts whose drafted token had probability ``p`` each, the rest spread over ``width - 1`` others."""
+    import math
+
+    return [[math.log(p)] + [math.log((1 - p) / max(width - 1, 1))] * (width - 1) for p in probs]
+
+
+def test_deagle_verifies_each_chain_up_to_where_two_votes_stop_it():
+    """Survivals 0.9, 0.45, 0.225: at depth 3 the momentum (two halvings) and the expected length (1.58, so a
+    chain of 3 is a full token deeper than expected) vote; the survival vote (below 0.15) has not come."""
+    from adaptree.vllm_plugin.control import DeagleLength
+
+    ctl = DeagleLength(_costs(base=0.030, row=0.002))
+    assert ctl.reads_drafts and ctl.width == 1
+    assert ctl.stop(_logprobs([0.9, 0.5, 0.5, 0.9, 0.9])) == 3
+    assert ctl.stop(_logprobs([0.99] * 5)) == 5
+    _warm(ctl, ["a", "b", "c"], 5, 5)
+    assert ctl.decide(["a", "b", "c"]) == ({"a": 5, "b": 5, "c": 5}, 5)  # no drafts judged yet: costaware's
+    ctl.drafted("a", _logprobs([0.9, 0.5, 0.5, 0.9, 0.9]))
+    ctl.drafted("b", _logprobs([0.99] * 5))
+    ks, k = ctl.decide(["a", "b", "c"])
+    assert ks == {"a": 3, "b": 5, "c": 5} and k == 5 and ctl.stopped == 2
+    ctl.drafted("a", _logprobs([0.9, 0.5, 0.5, 0.9, 0.9]))
+    ks, k = ctl.decide(["a"])  # every request judged: one draft past the longest chain let through
+    assert ks == {"a": 3} and k == 4
+    # the log-probs of a step's drafts are read once: then costaware's length (the scheduler verifies no more
+    # drafts than the request has)
+    assert ctl.decide(["a"]) == ({"a": 5}, 5)
+    ctl.drafted("gone", _logprobs([0.9]))
+    ctl.forget(["a"])
+    assert "gone" not in ctl.logprobs
+
+
+def test_deagle_backs_off_under_load_as_costaware_does():
+    from adaptree.vllm_plugin.control import DeagleLength
+
+    load = DeagleLength(_costs(base=0.002, row=0.006))
+    many = [f"r{i}" for i in range(16)]
+    _warm(load, many, 5, 1, times=10)
+    for r in many:
+        load.drafted(r, _logprobs([0.99] * 5))
+    ks, k = load.decide(many)
+    assert k == 0 and set(ks.values()) == {0}
+
+
+def test_radar_reads_its_policy_and_the_machines_costs_from_the_step_costs(tmp_path):
+    """The shipped RADAR policy, on chains: a decision per draft, never more than the drafts; its machine features
+    are the step costs' at the batch (rows dearer relative to a step at 16 requests than at one)."""
+    import math
+
+    from adaptree.models.assets import shipped_head
+    from adaptree.vllm_plugin.control import RadarLength, draft_logprob_width, vllm_cost_features
+
+    policy = shipped_head(None) / "radar"
+    c = _grid(_costs(base=0.030, row=0.002), [[30, 40, 45, 44, 43, 41]] * 3)
+    one, many = vllm_cost_features(c, 1), vllm_cost_features(c, 16)
+    assert len(one) == 5 and one[0] < many[0] and one[3] < many[3]
+    assert one[1] == pytest.approx(math.log1p(4 * one[0]))
+    c.save(tmp_path / "c.json")
+    settings = {"controller": "radar", "step_costs": str(tmp_path / "c.json"), "policy": str(policy)}
+    ctl = build_controller(settings, 5)
+    assert isinstance(ctl, RadarLength) and ctl.reads_drafts and ctl.width == draft_logprob_width(settings) == 10
+    _warm(ctl, ["a"], 5, 5)
+    ctl.decide(["a"])
+    for probs in ([0.99] * 5, [0.3] * 5, [0.99, 0.2, 0.9]):
+        assert 1 <= ctl.stop(_logprobs(probs, width=10)) <= len(probs)
+    with pytest.raises(ValueError, match="needs additional_config\\['adaptree'\\]\\['policy'\\]"):
+        build_controller({"controller": "radar", "step_costs": str(tmp_path / "c.json")}, 5)
+    _costs().save(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="no grid search"):  # the policy observes a static tree: the grid's
+        build_controller({**settings, "step_costs": str(tmp_path / "old.json")}, 5)
+    assert draft_logprob_width({"controller": "deagle"}) == 1
+    assert draft_logprob_width({"controller": "costaware"}) == draft_logprob_width(None) == 0
+    with pytest.raises(ValueError, match="no readable config.json"):
+        draft_logprob_width({"controller": "radar", "policy": str(tmp_path)})
+
+
+def test_ltd_depth_policy_verifies_longer_chains_where_the_drafter_is_sure_and_rows_are_cheap(tmp_path):
+    """The shipped LTD depth policy on chains: its observation is adaptree's (``LTDObservation.frontier_obs``) with the
+    chain's continuations as the frontier; confident drafts at one request go deeper than unsure ones, and at 16
+    requests, where the step costs make every row dear, it stops at the first draft."""
+    from adaptree.models.assets import shipped_head
+    from adaptree.vllm_plugin.control import LtdLength, draft_logprob_width
+
+    policy = shipped_head(None) / "ltd" / "depth"
+    c = _grid(_costs(base=0.030, row=0.002), [[30, 40, 45, 48, 43, 41], [100, 110, 105, 100, 90, 80],
+                                                [300, 250, 200, 180, 160, 150]])
+    c.save(tmp_path / "c.json")
+    settings = {"controller": "ltd", "step_costs": str(tmp_path / "c.json"), "policy": str(policy)}
+    ctl = build_controller(settings, 5)
+    assert isinstance(ctl, LtdLength) and ctl.reads_drafts and ctl.width == draft_logprob_width(settings) == 10
+    _warm(ctl, ["a"], 5, 5)
+    ctl.decide(["a"])
+    sure, unsure = ctl.stop(_logprobs([0.97] * 5, width=10), 200), ctl.stop(_logprobs([0.3] * 5, width=10), 200)
+    assert 1 <= unsure < sure <= 5, (unsure, sure)
+    ctl.batch_size = 16
+    assert ctl.stop(_logprobs([0.97] * 5, width=10), 200) == 1
+    with pytest.raises(ValueError, match=r"needs additional_config\['adaptree'\]\['policy'\]: an LTD depth policy"):
+        build_controller({"controller": "ltd", "step_costs": str(tmp_path / "c.json")}, 5)
+    with pytest.raises(ValueError, match="holds a 'ltd-size' policy, a 'ltd-depth' policy is needed"):
+        LtdLength(c, shipped_head(None) / "ltd" / "size")

@@ -72,8 +72,9 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(MAIN_JOB_METHODS))
     """Arms: engine methods (ar, static, ...) and reference arms: Hugging Face (hf_generate, hf_prompt_lookup,
     hf_assisted), llama.cpp on the same GGUF (llama_cpp, llama_cpp_lookup; needs llama-cpp-python) and vLLM (vllm,
-    vllm_ngram, vllm_eagle3, vllm_costaware, vllm_hybrid; needs adaptree[vllm]), which run in worker processes (one
-    that crashes is dropped, the rest go on). Must include ``ar``: speedups are measured against it."""
+    vllm_ngram, vllm_eagle3, vllm_<controller> for static-gs, costaware, hybrid, deagle, radar, ltd; needs
+    adaptree[vllm]), which run in worker processes (one that crashes is dropped, the rest go on). Must include
+    ``ar``: speedups are measured against it."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     """Benchmarks: mt_bench, humaneval, sharegpt, sharegpt_long (long pasted texts), code_edit (edits of HumanEval
     solutions)."""

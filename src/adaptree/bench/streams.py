@@ -60,7 +60,7 @@ def run_streams(cfg, arms, encode, sets, max_len: int, dropped: dict[str, str]) 
             rec = {"arm": m, "streams": n, "batch": 0, "repeat": rep, "tokens": res.tokens, "wall_s": res.wall_s,
                    "latencies_s": res.latencies_s, "drafts": res.drafts, "draft_tokens": res.draft_tokens,
                    "accepted_tokens": res.accepted_tokens, "steps": res.steps, "drafter_skips": res.drafter_skips,
-                   "chains": res.chains, "outputs": res.outputs}
+                   "chains": res.chains, "stopped": res.stopped, "outputs": res.outputs}
             f.write(json.dumps(rec) + "\n")
             f.flush()
             records.append(rec)

@@ -8,7 +8,11 @@ with ``--streams N`` (:mod:`adaptree.bench.streams`; several N in one run: ``ada
 - ``vllm_costaware``: the same head with adaptree's cost-aware controller deciding each step's drafts (up to 5),
   from vLLM's step costs on this machine (measured on first use, minutes, cached);
 - ``vllm_hybrid``: the same, each request verifying the context's chain in place of the head's drafts where that is
-  worth more (adaptree's ``hybrid``).
+  worth more (adaptree's ``hybrid``);
+- ``vllm_static-gs``: the fixed length a grid search on vLLM measured fastest at the step's batch size;
+- ``vllm_deagle``, ``vllm_radar``, ``vllm_ltd``: costaware's drafts, each request's chain verified up to where
+  DEAGLE's vote, RADAR's policy or LTD's depth policy (the policies shipped with the head) stops it, from the
+  drafter's log-probs.
 
 Each arm runs in a worker process of its own (:mod:`adaptree.bench.isolation`): vLLM sets process-wide state
 (its OpenMP threads, its engine core). The target is the model's Hugging Face folder vLLM loads (a GGUF model's
@@ -25,16 +29,17 @@ from typing import TYPE_CHECKING
 from adaptree.bench.isolation import ArmRecipe
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
+from adaptree.vllm_plugin.control import COSTED_CONTROLLERS
 
 if TYPE_CHECKING:
     from adaptree.bench.runner import BenchConfig
     from adaptree.core.pipeline import PipelineLike
 
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware", "vllm_hybrid")
-DRAFTS = {"vllm": 0, "vllm_ngram": 3, "vllm_eagle3": 3, "vllm_costaware": 5, "vllm_hybrid": 5}
-"""Drafts per step (the cap, for adaptree's controllers)."""
-CONTROLLED = ("vllm_costaware", "vllm_hybrid")
+CONTROLLED = tuple(f"vllm_{c}" for c in COSTED_CONTROLLERS)
 """The arms whose drafts adaptree's controller decides, from vLLM's step costs on this machine."""
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_eagle3", *CONTROLLED)
+DRAFTS = {"vllm": 0, "vllm_ngram": 3, "vllm_eagle3": 3, **dict.fromkeys(CONTROLLED, 5)}
+"""Drafts per step (the cap, for adaptree's controllers)."""
 
 
 def vllm_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecipe:
@@ -87,7 +92,7 @@ class VllmArm:
         if method in CONTROLLED:
             costs = str(prepared_step_costs(model, Path(exported), dtype, k, threads))
         # the same vLLM configurations as adaptree vllm-bench's arms of these names and K
-        arm = vllm_arm(f"{method}:{k}" if k else method, exported, costs)
+        arm = vllm_arm(f"{method}:{k}" if k else method, exported, costs, head, model)
         self.method = method
         self.llm = make_llm(target_folder(model, getattr(torch, dtype)), arm, dtype=dtype,
                             max_model_len=max_model_len, threads=threads, max_num_seqs=max_num_seqs)

@@ -28,11 +28,15 @@ from pathlib import Path
 from adaptree.bench.isolation import ArmFailed, ArmRecipe, ArmWorker, start
 from adaptree.core.config import positive
 from adaptree.core.verify import SamplingConfig
-from adaptree.vllm_plugin.engine import Arm, BatchResult, speculative_config
+from adaptree.vllm_plugin.control import COSTED_CONTROLLERS
+from adaptree.vllm_plugin.engine import Arm, BatchResult, controller_settings, speculative_config
 
-ARM_KINDS = ("vllm", "vllm_ngram", "vllm_eagle3", "vllm_costaware", "vllm_hybrid", "adaptree_chain")
+CONTROLLED_KINDS = tuple(f"vllm_{c}" for c in COSTED_CONTROLLERS)
+"""The arms whose drafts an adaptree controller decides (adaptree's scheduler, at most K drafts per step)."""
+ARM_KINDS = ("vllm", "vllm_ngram", "vllm_eagle3", *CONTROLLED_KINDS, "adaptree_chain")
 """Arm names: ``vllm``; ``vllm_ngram:K``; ``vllm_eagle3:K`` (vLLM's scheduler, K drafts every step);
-``vllm_costaware:K`` and ``vllm_hybrid:K`` (adaptree's scheduler, at most K); ``adaptree_chain:K``."""
+``vllm_<controller>:K`` (:data:`CONTROLLED_KINDS`); ``adaptree_chain:K``."""
+ARM_HELP = "vllm, vllm_ngram:K, vllm_eagle3:K, " + ", ".join(f"{k}:K" for k in CONTROLLED_KINDS) + ", adaptree_chain:K"
 
 
 @dataclass
@@ -46,7 +50,7 @@ class VllmBenchConfig:
     arms: list[str] = field(default_factory=lambda: ["vllm", "vllm_ngram:3", "vllm_eagle3:1", "vllm_eagle3:2",
                                                      "vllm_eagle3:3", "vllm_eagle3:5", "vllm_costaware:5"])
     """Arms (first: the reference every ratio and output comparison uses): vllm, vllm_ngram:K, vllm_eagle3:K,
-    vllm_costaware:K, vllm_hybrid:K, adaptree_chain:K."""
+    vllm_static-gs:K, vllm_costaware:K, vllm_hybrid:K, vllm_deagle:K, vllm_radar:K, vllm_ltd:K, adaptree_chain:K."""
     streams: list[int] = field(default_factory=lambda: [1, 4, 16])
     """Requests submitted together."""
     datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
@@ -57,8 +61,8 @@ class VllmBenchConfig:
     """vLLM's dtype (bfloat16 or float32; float32 for the losslessness check)."""
     repeats: int = positive(1)
     step_costs: str | None = None
-    """vLLM step-cost file for the costaware and hybrid arms (default: measured into the results folder on first
-    use)."""
+    """vLLM step-cost file for the arms of adaptree's controllers (default: measured into the results folder on
+    first use)."""
     threads: int | None = None
     """CPU threads (default: every core this process may use)."""
     prefix_caching: bool = True
@@ -85,8 +89,7 @@ def parse_arm(name: str) -> tuple[str, int]:
     """``vllm_eagle3:3`` -> ("vllm_eagle3", 3); ``vllm`` -> ("vllm", 0). A bad name is a ValueError naming it."""
     kind, _, k = name.partition(":")
     if kind not in ARM_KINDS:
-        raise ValueError(f"unknown arm {name!r}; arms: vllm, vllm_ngram:K, vllm_eagle3:K, vllm_costaware:K, "
-                         "vllm_hybrid:K, adaptree_chain:K")
+        raise ValueError(f"unknown arm {name!r}; arms: {ARM_HELP}")
     if kind == "vllm":
         if k:
             raise ValueError(f"arm {name!r}: plain vllm takes no K")
@@ -96,8 +99,11 @@ def parse_arm(name: str) -> tuple[str, int]:
     return kind, int(k)
 
 
-def vllm_arm(name: str, head: str | None, step_costs: str | None) -> Arm:
-    """The vLLM configuration of the arm ``name`` (``head``: the exported drafter folder, for the EAGLE-3 arms)."""
+def vllm_arm(name: str, head: str | None, step_costs: str | None, source_head: str | None = None,
+             model: str | None = None) -> Arm:
+    """The vLLM configuration of the arm ``name`` (``head``: the exported drafter folder, for the EAGLE-3 arms;
+    ``source_head``: adaptree's head folder, whose RADAR and LTD depth policies ``vllm_radar`` and ``vllm_ltd``
+    read)."""
     kind, k = parse_arm(name)
     if kind == "vllm":
         return Arm(name)
@@ -108,7 +114,7 @@ def vllm_arm(name: str, head: str | None, step_costs: str | None) -> Arm:
         return Arm(name, spec)
     if step_costs is None:
         raise ValueError(f"arm {name}: needs a step-cost file")
-    return Arm(name, spec, {"controller": kind.removeprefix("vllm_"), "step_costs": step_costs})
+    return Arm(name, spec, controller_settings(kind.removeprefix("vllm_"), step_costs, source_head, model))
 
 
 class _VllmBatchArm:
@@ -168,8 +174,8 @@ def build_arms(methods: Sequence[str], target: str, model: str | None, head_expo
         if kind == "adaptree_chain":
             arms[m] = _ChainArm(model, head, k, dtype)
         else:
-            arms[m] = _VllmBatchArm(target, vllm_arm(m, head_export, step_costs), dtype, threads, max_num_seqs,
-                                    prefix_caching)
+            arms[m] = _VllmBatchArm(target, vllm_arm(m, head_export, step_costs, head, model), dtype, threads,
+                                    max_num_seqs, prefix_caching)
     return arms
 
 
@@ -214,21 +220,21 @@ def summarize_batches(records: list[dict], arms: list[str], streams: list[int]) 
                 "median_latency_s": statistics.median(lat) if lat else None,
                 "outputs_differing": differ, "steps": sum(r["steps"] for r in rs),
                 "drafter_skips": sum(r.get("drafter_skips", 0) for r in rs),
-                "chains": sum(r.get("chains", 0) for r in rs)})
+                "chains": sum(r.get("chains", 0) for r in rs), "stopped": sum(r.get("stopped", 0) for r in rs)})
     return out
 
 
 def _steps(row: dict) -> str:
-    """Engine steps, those with the drafter off and the request-steps that verified a context chain, where
-    adaptree's scheduler counted them."""
+    """Engine steps, those with the drafter off, the request-steps that verified a context chain and the drafts a
+    stop rule left unverified, where adaptree's scheduler counted them."""
     if not row.get("steps"):
         return "—"
-    return f"{row['steps']}, {row.get('drafter_skips', 0)}, {row.get('chains', 0)}"
+    return f"{row['steps']}, {row.get('drafter_skips', 0)}, {row.get('chains', 0)}, {row.get('stopped', 0)}"
 
 
 def table(summary: dict) -> str:
     lines = ["| arm | streams | total tok/s | vs " + summary["reference"] + " | τ | per-stream tok/s (median) | "
-             "latency s (median) | steps, drafter off, chains | outputs ≠ ref |",
+             "latency s (median) | steps, drafter off, chains, stopped | outputs ≠ ref |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "—"
@@ -267,7 +273,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
                for _, ps in load_prompt_sets(cfg.datasets, limit=cfg.limit) for p in ps]
     step_costs = cfg.step_costs
-    controlled = [a for a in cfg.arms if parse_arm(a)[0] in ("vllm_costaware", "vllm_hybrid")]
+    controlled = [a for a in cfg.arms if parse_arm(a)[0] in CONTROLLED_KINDS]
     if controlled and step_costs is None:
         step_costs = str(out / "step_costs.json")
         if not Path(step_costs).exists():
@@ -324,7 +330,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
                            "wall_s": res.wall_s, "latencies_s": res.latencies_s, "drafts": res.drafts,
                            "draft_tokens": res.draft_tokens, "accepted_tokens": res.accepted_tokens,
                            "steps": res.steps, "drafter_skips": res.drafter_skips, "chains": res.chains,
-                           "outputs": res.outputs}
+                           "stopped": res.stopped, "outputs": res.outputs}
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     records.append(rec)

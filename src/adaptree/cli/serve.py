@@ -32,10 +32,12 @@ def register(sub) -> None:
                                             "adaptree's head and controller; needs adaptree[vllm] (docs/vllm.md)")
     v.add_argument("--engine", choices=["adaptree", "vllm"], default="adaptree",
                    help="adaptree: adaptree's own server, one generation at a time; vllm: vLLM's, many at once, "
-                        "for --method ar, static, ngram, costaware, hybrid (default adaptree)")
+                        "for --method ar, static, ngram, static-gs, costaware, hybrid, deagle, radar, ltd (default "
+                        "adaptree)")
     v.add_argument("--step-costs", default=None,
-                   help="vLLM step-cost file for --method costaware and hybrid (default: measured on this machine on "
-                        "first use, a few minutes, cached)")
+                   help="vLLM step-cost file for the methods adaptree's controller decides in vLLM (static-gs, "
+                        "costaware, hybrid, deagle, radar, ltd; default: measured on this machine on first use, a few "
+                        "minutes, cached)")
     v.add_argument("--max-num-seqs", type=int, default=32, help="requests vLLM runs at once (default 32)")
     g.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                    help="uvicorn's log level (default info)")
@@ -85,7 +87,7 @@ def _serve_vllm(args, config) -> int:
                                            ("--draft-model", args.draft_model is not None)) if bad]
         raise SystemExit(f"adaptree serve: {', '.join(refused)} set adaptree's own engine; vLLM drafts chains of "
                          "--depth tokens on the device vLLM was built for (docs/vllm.md)")
-    if args.draft == "none" and method in ("static", "costaware", "hybrid"):
+    if args.draft == "none" and method not in ("ar", "ngram"):
         raise SystemExit(f"adaptree serve: --method {method} drafts with a head; --draft none leaves none")
     from tqdm import tqdm
 

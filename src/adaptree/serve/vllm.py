@@ -17,17 +17,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from adaptree.serve.config import ServeConfig
+from adaptree.vllm_plugin.control import COSTED_CONTROLLERS
 
 METHODS = {"ar": "plain decoding", "static": "EAGLE-3 drafts of a fixed length (--depth)",
            "ngram": "vLLM's n-gram drafts of a fixed length (--depth)",
            "costaware": "adaptree's cost-aware controller: each step's drafts from the step costs measured on "
                         "this machine (up to --depth)",
            "hybrid": "costaware, each request verifying the context's chain in place of the head's drafts where "
-                     "that is worth more (vLLM's synchronous scheduler)"}
+                     "that is worth more (vLLM's synchronous scheduler)",
+           "static-gs": "the fixed length a grid search on vLLM measured fastest at each batch size (up to --depth)",
+           "deagle": "costaware's drafts, each request's verified up to where DEAGLE's vote stops (vLLM's "
+                     "synchronous scheduler)",
+           "radar": "costaware's drafts, each request's verified up to where the head's RADAR policy stops (vLLM's "
+                    "synchronous scheduler)",
+           "ltd": "costaware's drafts, each request's verified up to where the head's LTD depth policy stops (vLLM's "
+                  "synchronous scheduler)"}
 """adaptree's methods that run inside vLLM (chains: vLLM's CPU path verifies no trees)."""
-CONTROLLED = ("costaware", "hybrid")
+CONTROLLED = COSTED_CONTROLLERS
 """The methods whose drafts adaptree's controller decides, from vLLM's step costs on this machine."""
-DEFAULT_DEPTH = {"static": 3, "ngram": 3, "costaware": 5, "hybrid": 5}
+DEFAULT_DEPTH = {"static": 3, "ngram": 3, **dict.fromkeys(CONTROLLED, 5)}
 """Draft length (fixed) or its cap (costaware): 2-3 was the fastest fixed length for SmolLM2 on 2 CPU cores, and
 the step costs are measured up to 5 (docs/vllm.md)."""
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -58,8 +66,8 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
 
     from adaptree.models import DEFAULT_MODEL_NAME
     from adaptree.vllm_plugin.cache import prepared_head, prepared_step_costs
-    from adaptree.vllm_plugin.engine import cpu_environment, plugin_settings, speculative_config
-    from adaptree.vllm_plugin.export import EXPORT_DTYPES, target_folder
+    from adaptree.vllm_plugin.engine import controller_settings, cpu_environment, plugin_settings, speculative_config
+    from adaptree.vllm_plugin.export import EXPORT_DTYPES, resolve_head, target_folder
 
     check_config(config)
     if method not in METHODS:
@@ -71,7 +79,7 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
     if method != "ar" and not 1 <= k <= 16:
         raise ValueError(f"--depth must be in 1..16 with --engine vllm (the drafts per step), got {k}")
     if step_costs is not None and method not in CONTROLLED:
-        raise ValueError(f"--step-costs is read by the {' and '.join(CONTROLLED)} methods, not {method}")
+        raise ValueError(f"--step-costs is read by the {', '.join(CONTROLLED)} methods, not {method}")
     if not 1 <= max_num_seqs <= 1024:
         raise ValueError(f"--max-num-seqs must be in 1..1024, got {max_num_seqs}")
     target = target_folder(model, getattr(torch, dtype))
@@ -96,7 +104,7 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
                     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             elif not Path(step_costs).is_file():
                 raise ValueError(f"--step-costs {step_costs}: no such file")
-            plugin = plugin_settings({"controller": method, "step_costs": str(step_costs)})
+            plugin = plugin_settings(controller_settings(method, step_costs, resolve_head(model, head), model))
             argv += ["--scheduler-cls", plugin["scheduler_cls"], "--worker-cls", plugin["worker_cls"],
                      "--async-scheduling" if plugin["async_scheduling"] else "--no-async-scheduling",
                      "--additional-config", json.dumps(plugin["additional_config"])]

@@ -58,7 +58,8 @@ def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, t
     from adaptree.vllm_plugin.export import target_folder
 
     target = target_folder(model, getattr(torch, dtype))
-    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads)
+    # "grid": files measured before the grid search (static-gs's tokens per second) was recorded are not reused
+    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads, "grid")
     path = cache_dir() / "vllm" / f"step-costs-{key}.json"
     if path.is_file():
         return path

@@ -44,6 +44,10 @@ class StepCosts:
     seconds: list[list[float]]
     machine: dict = field(default_factory=dict)
     """Where it was measured (adaptree.core.machine's profile) and with what (model, dtype, threads)."""
+    tokens_per_s: list[list[float]] | None = None
+    """The grid search the same runs make: tokens per second of ``batch_sizes[b]`` requests decoding under a fixed
+    ``K = k``, over each whole run (prompt steps included): what ``static-gs`` picks its lengths from. None in
+    files measured before it was recorded."""
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes) \
@@ -58,6 +62,12 @@ class StepCosts:
             for k, t in enumerate(row):
                 if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
                     raise ValueError(f"StepCosts.seconds at B={b}, K={k} must be a positive number, got {t!r}")
+        if self.tokens_per_s is not None:
+            if [len(row) for row in self.tokens_per_s] != [len(row) for row in self.seconds]:
+                raise ValueError("StepCosts.tokens_per_s must have the shape of seconds (batch sizes x K = 0..K_max)")
+            if not all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0
+                       for row in self.tokens_per_s for t in row):
+                raise ValueError(f"StepCosts.tokens_per_s must hold positive numbers, got {self.tokens_per_s!r}")
 
     @property
     def k_max(self) -> int:
@@ -77,9 +87,22 @@ class StepCosts:
         t_lo, t_hi = self.seconds[i][k], self.seconds[i + 1][k]
         return max(t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo), 1e-6)
 
+    def best_fixed(self, batch: int) -> int:
+        """The grid search's K at ``batch`` requests: the fastest fixed K measured at the largest measured batch
+        size up to ``batch`` (the smallest one below them). A ValueError without a grid (:attr:`tokens_per_s`)."""
+        if self.tokens_per_s is None:
+            raise ValueError("these step costs hold no grid search (tokens_per_s): measured before adaptree recorded "
+                             "it; measure them again (adaptree.vllm_plugin.engine.measure_step_costs)")
+        below = [i for i, b in enumerate(self.batch_sizes) if b <= batch]
+        row = self.tokens_per_s[below[-1] if below else 0]
+        return max(range(len(row)), key=lambda k: (row[k], -k))
+
     def to_json(self) -> dict:
-        return {"format": STEP_COSTS_FORMAT, "batch_sizes": self.batch_sizes, "seconds": self.seconds,
-                "machine": self.machine}
+        out = {"format": STEP_COSTS_FORMAT, "batch_sizes": self.batch_sizes, "seconds": self.seconds,
+               "machine": self.machine}
+        if self.tokens_per_s is not None:
+            out["tokens_per_s"] = self.tokens_per_s
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
@@ -92,12 +115,14 @@ class StepCosts:
             raise ValueError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != STEP_COSTS_FORMAT:
             raise ValueError(f"{path}: not a vLLM step-cost file (format {STEP_COSTS_FORMAT!r})")
-        unknown = set(data) - {"format", "batch_sizes", "seconds", "machine"}
+        unknown = set(data) - {"format", "batch_sizes", "seconds", "machine", "tokens_per_s"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         try:
+            grid = data.get("tokens_per_s")
             return cls([int(b) for b in data["batch_sizes"]], [[float(t) for t in row] for row in data["seconds"]],
-                       dict(data.get("machine") or {}))
+                       dict(data.get("machine") or {}),
+                       None if grid is None else [[float(t) for t in row] for row in grid])
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: missing or malformed field ({exc})") from None
 
@@ -147,6 +172,9 @@ class FixedLength:
 
     name = "fixed"
     uses_context = False
+    """Reads each request's tokens when it decides (vLLM's synchronous scheduler only)."""
+    reads_drafts = False
+    """Reads the drafter's log-probs of each request's drafts (the same)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -210,6 +238,7 @@ class CostAwareLength:
 
     name = "costaware"
     uses_context = False
+    reads_drafts = False
 
     def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
         self.costs = LiveCosts(costs)
@@ -354,28 +383,274 @@ class HybridLength(CostAwareLength):
             del self.indexes[r]
 
 
-CONTROLLERS = ("fixed", "costaware", "hybrid")
+class StaticGridLength(FixedLength):
+    """``static-gs`` on vLLM's terms: the fixed draft length a measured grid search found fastest, per batch size.
+
+    adaptree's ``static-gs`` verifies, every cycle, the static tree a grid search measured fastest on the machine.
+    vLLM drafts chains and runs many requests at once, so the grid is over K at each batch size: the step-cost
+    measurement (:func:`adaptree.vllm_plugin.engine.measure_step_costs`) runs B requests under every fixed K and
+    records their tokens per second (:attr:`StepCosts.tokens_per_s`); each step drafts the K measured fastest at
+    the largest measured batch size up to the step's (:meth:`StepCosts.best_fixed`). Static in what it reads: no
+    acceptance, no confidence, only the batch size."""
+
+    name = "static-gs"
+
+    def __init__(self, costs: StepCosts, k_max: int | None = None) -> None:
+        costs.best_fixed(1)  # a ValueError now for step costs without the grid
+        self.table = costs
+        super().__init__(costs.k_max if k_max is None else min(k_max, costs.k_max))
+
+    def decide(self, requests: Sequence[str]) -> tuple[dict[str, int], int]:
+        k = min(self.table.best_fixed(max(len(requests), 1)), self.k)
+        return dict.fromkeys(requests, k), k
+
+
+class StopRuleLength(CostAwareLength):
+    """A per-draft stop rule of adaptree's engine, deciding how much of each request's chain is verified.
+
+    adaptree's depth rules (DEAGLE's votes, RADAR's policy) stop drafting once the drafter is unsure. vLLM drafts
+    the whole batch's chains in one loop of ``K`` forwards, so here the rule decides what is verified: after each
+    step adaptree's worker hands over, with each request's drafts, the drafter's top-``width`` log-probs at every
+    draft (:mod:`adaptree.vllm_plugin.worker`), and the request verifies its chain up to the draft where the rule
+    stops. How many the drafter makes (``K``) is costaware's batch decision, so the rule drafts where rows are
+    nearly free and backs off under load as costaware does, but never more than one past the longest chain a rule
+    let through in this step. The drafts arrive with vLLM's synchronous scheduler
+    only (its async one keeps them in the worker), so these controllers run under it."""
+
+    reads_drafts = True
+    width = 1
+    """Log-probs per draft the rule reads (the drafted token's first)."""
+
+    def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
+        super().__init__(costs, k_max, prior)
+        self.logprobs: dict[str, tuple[list[list[float]], int]] = {}
+        self.stopped = 0
+        """Drafts the rule left unverified (the bench reports them)."""
+
+    def drafted(self, request: str, logprobs: Sequence[Sequence[float]], context_len: int = 0) -> None:
+        """The drafter's top-``width`` log-probs at each of the drafts ``request`` just received, after
+        ``context_len`` tokens of prompt and output."""
+        self.logprobs[request] = ([list(row) for row in logprobs], context_len)
+
+    def stop(self, logprobs: list[list[float]], context_len: int = 0) -> int:
+        """How many of the drafts (their log-probs ``logprobs``, after ``context_len`` tokens) are verified."""
+        raise NotImplementedError
+
+    def machine(self, batch: int, tree: bool = True):
+        """vLLM at ``batch`` requests as adaptree's learned policies see a machine: its cost features
+        (:func:`vllm_cost_features`) and, with ``tree``, its best static tree: the grid search's chain there
+        (:meth:`StepCosts.best_fixed`, at least one draft; a chain of d drafts verifies d)."""
+        from adaptree.methods.common.machine_tree import MachineTree
+
+        features = vllm_cost_features(self.costs.table, batch)
+        if not tree:
+            return features, None
+        k = max(self.costs.table.best_fixed(batch), 1)
+        return features, MachineTree(k, k, {d: d for d in range(1, 17)})
+
+    def decide(self, requests: Sequence[str]) -> tuple[dict[str, int], int]:
+        ks, k = super().decide(requests)
+        reach = 0  # the most drafts a rule let through; None once a request has no drafts to judge yet
+        for r in requests:
+            lp, context_len = self.logprobs.pop(r, ((), 0))  # each step's drafts are read once
+            if lp and k:
+                n = min(k, len(lp))
+                ks[r] = min(n, self.stop(lp[:n], context_len))
+                self.stopped += n - ks[r]
+                reach = None if reach is None else max(reach, ks[r])
+            else:
+                reach = None
+        # drafts past where every rule stopped would not be verified: draft one more than that, so a rule that lets
+        # its whole chain through sees a longer one next step
+        return ks, k if reach is None else min(k, reach + 1)
+
+    def forget(self, live: Iterable[str]) -> None:
+        super().forget(live)
+        keep = set(live)
+        for r in [r for r in self.logprobs if r not in keep]:
+            del self.logprobs[r]
+
+
+class DeagleLength(StopRuleLength):
+    """DEAGLE's training-free vote (:class:`~adaptree.methods.rules.deagle.DeagleController`, its own code) on a
+    chain: at depth ``d`` the chain's survival ``s_d`` (the product of its drafts' probabilities) is the beam's
+    top-k sum, ``s_d / s_{d-1}`` the momentum, and the expected length counts the chain's own survivals; the chain is
+    verified up to the depth where two of the three votes stop it."""
+
+    name = "deagle"
+
+    def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
+        from adaptree.methods.rules.deagle import DeagleConfig, DeagleController
+
+        super().__init__(costs, k_max, prior)
+        self.rule = DeagleController(DeagleConfig())
+
+    def stop(self, logprobs: list[list[float]], context_len: int = 0) -> int:
+        import torch
+
+        survival = 0.0
+        for d, row in enumerate(logprobs, start=1):
+            survival += row[0]
+            s = torch.tensor([survival])
+            if self.rule.observe(d, s, s):  # the chain is both the beam and the level's only leaf
+                return d
+        return len(logprobs)
+
+
+class RadarLength(StopRuleLength):
+    """RADAR's LSTM stop policy (:class:`~adaptree.methods.radar.policy.RadarPolicy`, the one shipped with the head)
+    on a chain: after draft ``d`` it reads the cumulative log-probs of the ``W`` best continuations of the chain's
+    first ``d - 1`` drafts (what EAGLE-3's beam holds at depth 1; deeper, a tree's beam would also hold other
+    branches) and stops where ``P(STOP) >= 0.5``. It sees vLLM's machine at the step's batch size
+    (:meth:`StopRuleLength.machine`); no context match (0s: this port verifies the head's drafts only)."""
+
+    name = "radar"
+
+    def __init__(self, costs: StepCosts, policy: str | Path, k_max: int | None = None,
+                 prior: Sequence[float] = DEFAULT_PRIOR) -> None:
+        from adaptree.methods.radar.policy import RadarPolicy
+
+        super().__init__(costs, k_max, prior)
+        self.policy = RadarPolicy.load(policy).eval()
+        pc = self.policy.config
+        if pc.tree_features:
+            costs.best_fixed(1)  # the static tree it observes is the grid search's chain
+        self.width = pc.width
+        self.match = [0.0] * 3 if pc.match_features else None
+        self._inputs: dict[int, object] = {}
+
+    def _costs(self, batch: int):
+        x = self._inputs.get(batch)
+        if x is None and self.policy.config.cost_features:
+            features, tree = self.machine(batch, self.policy.config.tree_features)
+            x = self._inputs[batch] = self.policy.costs_tensor(self.policy.machine_values(features, tree))
+        return x
+
+    def stop(self, logprobs: list[list[float]], context_len: int = 0) -> int:
+        import torch
+
+        costs = self._costs(self.batch_size)
+        hc, prefix = None, 0.0
+        with torch.inference_mode():
+            for d, row in enumerate(logprobs, start=1):
+                scores = torch.tensor(row[:self.width], dtype=torch.float32) + prefix
+                if scores.numel() < self.width:
+                    scores = torch.cat([scores, scores.new_full((self.width - scores.numel(),), -1e9)])
+                logits, hc = self.policy.step(scores, d, hc, costs, self.match)
+                if float(torch.softmax(logits.float(), -1)[0]) >= 0.5:
+                    return d
+                prefix += row[0]
+        return len(logprobs)
+
+
+class LtdLength(StopRuleLength):
+    """LTD's depth policy π_D (:class:`~adaptree.offline.policy.MLPPolicy`, the one shipped with the head) on a chain:
+    after draft ``d`` its observation (:meth:`~adaptree.methods.ltd.controller.LTDObservation.frontier_obs`) holds the
+    cumulative log-probs of the ``W`` best continuations of the chain's first ``d - 1`` drafts (a tree's frontier
+    holds ``W²``; the rest is padding, as at a tree's depth 1), D, the request's context length, vLLM's machine at
+    the step's batch size (:meth:`StopRuleLength.machine`) and no context match; STOP ends the verified chain. A
+    chain's V is its depth, so LTD's size policy has nothing to decide here."""
+
+    name = "ltd"
+
+    def __init__(self, costs: StepCosts, policy: str | Path, k_max: int | None = None,
+                 prior: Sequence[float] = DEFAULT_PRIOR) -> None:
+        from adaptree.methods.ltd.controller import LTDObservation
+        from adaptree.offline.policy import MLPPolicy
+
+        super().__init__(costs, k_max, prior)
+        self.policy = MLPPolicy.load(policy, kind="ltd-depth").eval()
+        self.obs = LTDObservation.from_dict(self.policy.config.observation)
+        if self.obs.use_tree:
+            costs.best_fixed(1)
+        self.width = self.obs.width
+        self.match = [0.0] * 3 if self.obs.use_match else None
+
+    def stop(self, logprobs: list[list[float]], context_len: int = 0) -> int:
+        import torch
+
+        from adaptree.methods.ltd.controller import STOP
+
+        features, tree = self.machine(self.batch_size, self.obs.use_tree)
+        costs = features if self.obs.use_costs else None
+        prefix = 0.0
+        for d, row in enumerate(logprobs, start=1):
+            scores = torch.tensor(row[:self.width], dtype=torch.float32) + prefix
+            if self.policy.act(self.obs.frontier_obs(scores, d, context_len, costs, self.match, tree)) == STOP:
+                return d
+            prefix += row[0]
+        return len(logprobs)
+
+
+def vllm_cost_features(costs: StepCosts | LiveCosts, batch: int) -> list[float]:
+    """adaptree's machine cost features (:data:`adaptree.offline.family.COST_FEATURES`) read from vLLM's step costs
+    at ``batch`` requests, per request: one autoregressive step is the step without drafts, a verified row the slope
+    of the step time over K (the drafter's step and the row are not measured apart: the slope stands for both), the
+    growth of ``V`` rows ``log(1 + V x slope / T(B, 0))``, and no per-cycle overhead of its own."""
+    top = costs.k_max
+    t0 = costs.time(batch, 0)
+    slope = max((costs.time(batch, top) - costs.time(batch, 1)) / (top - 1) if top > 1 else
+                costs.time(batch, 1) - t0, 0.0)
+    return [slope / t0, *(math.log1p(v * slope / t0) for v in (4, 16, 64)), 0.0]
+
+
+CONTROLLERS = ("fixed", "static-gs", "costaware", "hybrid", "deagle", "radar", "ltd")
+"""What ``additional_config['adaptree']['controller']`` may name."""
+SYNC_CONTROLLERS = ("hybrid", "deagle", "radar", "ltd")
+"""Those that read each request's output or drafts when they decide: vLLM's synchronous scheduler only."""
+COSTED_CONTROLLERS = ("static-gs", "costaware", "hybrid", "deagle", "radar", "ltd")
+"""Those that read vLLM's step costs (``step_costs``)."""
 
 
 def build_controller(settings: Mapping, k_max: int):
     """The controller that ``settings`` (``additional_config["adaptree"]`` of the vLLM config) names:
-    ``{"controller": "costaware", "step_costs": PATH}`` or ``{"controller": "fixed", "k": K}``."""
+    ``{"controller": "costaware", "step_costs": PATH}`` (also ``static-gs``, ``hybrid``, ``deagle``; ``radar`` with
+    ``"policy": FOLDER``, a RADAR policy of adaptree's) or ``{"controller": "fixed", "k": K}``."""
     if not isinstance(settings, Mapping):
         raise ValueError(f"additional_config['adaptree'] must be a mapping, got {settings!r}")
-    unknown = set(settings) - {"controller", "k", "step_costs"}
+    unknown = set(settings) - {"controller", "k", "step_costs", "policy"}
     if unknown:
         raise ValueError(f"additional_config['adaptree']: unknown settings {sorted(unknown)}")
     name = settings.get("controller", "costaware")
+    if name not in CONTROLLERS:
+        raise ValueError(f"additional_config['adaptree']['controller'] must be one of {CONTROLLERS}, got {name!r}")
     if name == "fixed":
         k = settings.get("k", k_max)
         if not isinstance(k, int) or not 0 <= k <= k_max:
             raise ValueError(f"additional_config['adaptree']['k'] must be an integer in 0..{k_max} "
                              f"(num_speculative_tokens), got {k!r}")
         return FixedLength(k)
-    if name in ("costaware", "hybrid"):
-        path = settings.get("step_costs")
-        if not path:
-            raise ValueError(f"the {name} controller needs additional_config['adaptree']['step_costs']: the file "
-                             "adaptree.vllm_plugin.engine.measure_step_costs writes")
-        return (CostAwareLength if name == "costaware" else HybridLength)(StepCosts.load(path), k_max)
-    raise ValueError(f"additional_config['adaptree']['controller'] must be one of {CONTROLLERS}, got {name!r}")
+    path = settings.get("step_costs")
+    if not path:
+        raise ValueError(f"the {name} controller needs additional_config['adaptree']['step_costs']: the file "
+                         "adaptree.vllm_plugin.engine.measure_step_costs writes")
+    costs = StepCosts.load(path)
+    if name in ("radar", "ltd"):
+        policy = settings.get("policy")
+        if not policy:
+            what, where = POLICIES[name]
+            raise ValueError(f"the {name} controller needs additional_config['adaptree']['policy']: {what} folder "
+                             f"(the one shipped next to the head: HEAD/{where})")
+        return (RadarLength if name == "radar" else LtdLength)(costs, policy, k_max)
+    return {"static-gs": StaticGridLength, "costaware": CostAwareLength, "hybrid": HybridLength,
+            "deagle": DeagleLength}[name](costs, k_max)
+
+
+POLICIES = {"radar": ("a RADAR policy", "radar"), "ltd": ("an LTD depth policy", "ltd/depth")}
+"""The controllers that read a policy of adaptree's (``"policy"``): what it is, and where a head folder holds it."""
+
+
+def draft_logprob_width(settings: Mapping | None) -> int:
+    """How many log-probs per draft the worker records for the controller ``settings`` names (0: none). Read in the
+    worker's process, so a RADAR policy's width is read from its config without loading it."""
+    name = (settings or {}).get("controller") if isinstance(settings, Mapping) else None
+    if name == "deagle":
+        return DeagleLength.width
+    if name in POLICIES and settings.get("policy"):
+        try:
+            config = json.loads((Path(settings["policy"]) / "config.json").read_text(encoding="utf-8"))
+            return int(config["width"] if name == "radar" else config["observation"]["width"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"the {name} policy {settings['policy']}: no readable config.json with a width ({exc})"
+                             ) from None
+    return 0

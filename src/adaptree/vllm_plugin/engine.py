@@ -26,7 +26,8 @@ SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"
 """With async scheduling (vLLM's default where the executor has it, as for the plain and fixed-K arms beside it):
 the scheduler plans step t+1 while step t runs."""
 SYNC_SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
-"""Without: for a controller that reads each request's output when it decides (``hybrid``)."""
+"""Without: for a controller that reads each request's output or drafts when it decides (``hybrid``, ``deagle``,
+``radar``)."""
 
 
 def speculative_config(method: str, k: int, head: str | Path | None = None) -> dict[str, Any]:
@@ -41,11 +42,31 @@ def speculative_config(method: str, k: int, head: str | Path | None = None) -> d
     raise ValueError(f"speculative method must be eagle3 or ngram, got {method!r}")
 
 
+def controller_settings(controller: str, step_costs: str | Path, head: str | Path | None = None,
+                        model: str | None = None) -> dict[str, Any]:
+    """``additional_config["adaptree"]`` for the controller named ``controller`` (one reading the step costs, vLLM's
+    step costs on this machine ``step_costs``); for ``radar`` and ``ltd`` also the RADAR or LTD depth policy next to
+    adaptree's head folder ``head`` (a ValueError naming the command that makes one when there is none)."""
+    from adaptree.vllm_plugin.control import COSTED_CONTROLLERS
+
+    if controller not in COSTED_CONTROLLERS:
+        raise ValueError(f"controller must be one of {COSTED_CONTROLLERS}, got {controller!r}")
+    out: dict[str, Any] = {"controller": controller, "step_costs": str(step_costs)}
+    if controller in ("radar", "ltd"):  # the policy next to the head, as adaptree's own methods find it
+        from adaptree.methods import resolve_assets
+
+        method, option = ("radar", "policy") if controller == "radar" else ("ltd-depth", "depth_policy")
+        out["policy"] = str(resolve_assets(method, {}, head, model)[option])
+    return out
+
+
 def plugin_settings(controller: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's engine settings that put adaptree's scheduler and worker in charge of the drafts, ``controller``
     being ``additional_config["adaptree"]`` (:func:`adaptree.vllm_plugin.control.build_controller`): the keyword
     arguments of ``vllm.LLM``, the flags of vLLM's server by the same names."""
-    sync = controller.get("controller") == "hybrid"  # it reads each request's output, which async has not yet
+    from adaptree.vllm_plugin.control import SYNC_CONTROLLERS
+
+    sync = controller.get("controller") in SYNC_CONTROLLERS  # outputs and drafts async scheduling has not yet
     return {"scheduler_cls": SYNC_SCHEDULER if sync else SCHEDULER, "worker_cls": worker_class(),
             "async_scheduling": not sync, "additional_config": {"adaptree": dict(controller)}}
 
@@ -162,6 +183,8 @@ class BatchResult:
     """Steps in which adaptree's worker left the drafter off (K = 0)."""
     chains: int = 0
     """Request-steps that verified the context's chain in place of the head's drafts (the hybrid controller)."""
+    stopped: int = 0
+    """Drafts a stop rule left unverified (the deagle and radar controllers)."""
 
     @property
     def tokens(self) -> int:
@@ -193,7 +216,9 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     skips_before = getattr(runner, "drafter_skips", 0)
     sched = scheduler_of(llm)
     steps_before = getattr(sched, "steps_done", 0)
-    chains_before = getattr(getattr(sched, "controller", None), "chain_steps", 0)
+    controller = getattr(sched, "controller", None)
+    chains_before = getattr(controller, "chain_steps", 0)
+    stopped_before = getattr(controller, "stopped", 0)
     admitted = sched.max_num_active_reqs
     if streams is not None:
         if not 1 <= streams <= sched.max_num_running_reqs:
@@ -214,7 +239,8 @@ def generate_batch(llm, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     return BatchResult([list(o.outputs[0].token_ids) for o in outs], wall, latencies,
                        *(a - b for a, b in zip(after, before)), steps=getattr(sched, "steps_done", 0) - steps_before,
                        drafter_skips=getattr(runner, "drafter_skips", 0) - skips_before,
-                       chains=getattr(getattr(sched, "controller", None), "chain_steps", 0) - chains_before)
+                       chains=getattr(controller, "chain_steps", 0) - chains_before,
+                       stopped=getattr(controller, "stopped", 0) - stopped_before)
 
 
 def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
@@ -224,7 +250,9 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
     requests (``prompts`` cycled) decode ``new_tokens`` each under a fixed K, and the steps in which all B decoded,
     each verifying K drafts and drafting K more, are timed by adaptree's scheduler; the median over ``repeats``
     interleaved passes, then per batch size K = 0 as measured and the least-squares line over K >= 1 (the raw medians
-    are kept in the profile as ``measured_seconds``). ``progress(done, total)`` is called after each run."""
+    are kept in the profile as ``measured_seconds``). The same runs are a grid search: the median tokens per second
+    of each (B, K) run is kept (``tokens_per_s``, what ``static-gs`` reads). ``progress(done, total)`` is called
+    after each run."""
     import statistics
 
     from adaptree.core.machine import machine_profile
@@ -238,6 +266,7 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
     sched = scheduler_of(llm)
     generate_batch(llm, [prompts[0]], 8)  # warm-up
     times: dict[tuple[int, int], list[float]] = {}
+    rates: dict[tuple[int, int], list[float]] = {}
     total, done = repeats * len(batch_sizes) * (k_max + 1), 0
     for _ in range(repeats):
         for b in batch_sizes:
@@ -245,7 +274,8 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
             for k in range(k_max + 1):
                 sched.controller = FixedLength(k)
                 first = sched.steps_done
-                generate_batch(llm, batch, new_tokens, eos=False)
+                run = generate_batch(llm, batch, new_tokens, eos=False)
+                rates.setdefault((b, k), []).append(run.tokens_per_s)
                 records = list(sched.step_records)[-(sched.steps_done - first):] if sched.steps_done > first else []
                 times.setdefault((b, k), []).extend(
                     r.seconds for r in records
@@ -270,7 +300,8 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
         pass
     measured = [[statistics.median(times[(b, k)]) for k in range(k_max + 1)] for b in batch_sizes]
     profile["measured_seconds"] = measured
-    return StepCosts(list(batch_sizes), [_line(row) for row in measured], profile)
+    grid = [[statistics.median(rates[(b, k)]) for k in range(k_max + 1)] for b in batch_sizes]
+    return StepCosts(list(batch_sizes), [_line(row) for row in measured], profile, grid)
 
 
 def _line(row: Sequence[float]) -> list[float]:

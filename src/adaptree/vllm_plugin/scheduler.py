@@ -59,9 +59,9 @@ class _DraftControl:
             raise ValueError("adaptree's scheduler decides speculative drafts: configure vLLM's speculative_config "
                              "(method eagle3, num_speculative_tokens = the most drafts a step may take)")
         self.controller = build_controller(settings, self.num_spec_tokens)
-        if self.controller.uses_context and isinstance(self, AsyncScheduler):
-            raise ValueError(f"the {self.controller.name} controller reads each request's output when it decides, "
-                             "which vLLM's async scheduler has not received yet: use "
+        if (self.controller.uses_context or self.controller.reads_drafts) and isinstance(self, AsyncScheduler):
+            raise ValueError(f"the {self.controller.name} controller reads each request's output or drafts when it "
+                             "decides, which vLLM's async scheduler has not received yet: use "
                              "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler with async_scheduling=False")
         # vLLM's dynamic speculative decoding reads K from this batch-size lookup; schedule() fills it with the
         # controller's K before every step (so vLLM also sizes its async placeholders by it, and stops padding new
@@ -115,6 +115,17 @@ class _DraftControl:
             room[rid] = min(self.max_model_len - r.num_tokens - 1, r.max_tokens - r.num_output_tokens - 1)
         for rid, chain in self.controller.chains(contexts, lengths, room).items():
             self.requests[rid].spec_token_ids = list(chain)
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        # synchronous scheduling: the drafts of the step just run, with the drafter's log-probs where adaptree's
+        # worker recorded them (a controller with a stop rule reads them)
+        logprobs = getattr(draft_token_ids, "logprobs", None)
+        if logprobs is not None and self.controller.reads_drafts:
+            for req_id, lp in zip(draft_token_ids.req_ids, logprobs):
+                request = self.requests.get(req_id)
+                if lp and request is not None:
+                    self.controller.drafted(req_id, lp, request.num_tokens)
+        super().update_draft_token_ids(draft_token_ids)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         sampled = model_runner_output.sampled_token_ids

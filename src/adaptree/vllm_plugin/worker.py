@@ -14,6 +14,11 @@ The trade: the drafter's cache keeps no entries for the positions of skipped ste
 stretch see a context with holes and are accepted less (never wrong: verification is the target's). The controller
 sees that acceptance and drafts accordingly.
 
+For a controller with a stop rule (``deagle``, ``radar``: :class:`adaptree.vllm_plugin.control.StopRuleLength`) the
+runner also records, at each of the drafter's forwards, the top-``W`` log-probs of its distribution per request (the
+drafted token's first: vLLM drafts greedily by default) and hands them to the scheduler with the drafts
+(``DraftTokenIds.logprobs``, which vLLM's synchronous engine passes on as it is).
+
 Enable it with ``worker_cls="adaptree.vllm_plugin.worker.AdaptiveCPUWorker"`` (``--worker-cls`` for
 ``vllm serve``) or ``...AdaptiveGPUWorker`` with vLLM's CUDA build: :func:`adaptree.vllm_plugin.engine.make_llm` sets
 it for every arm with an adaptree controller.
@@ -34,6 +39,23 @@ class _IdleDrafterOff:
 
     drafter_skips = 0
     """Steps in which the drafter did not run (the bench reports them)."""
+    _logprob_width: int | None = None
+    _draft_logprobs: dict | None = None
+
+    def _width(self) -> int:
+        """Log-probs per draft the controller reads (0: none; read once from vLLM's config)."""
+        if self._logprob_width is None:
+            from adaptree.vllm_plugin.control import draft_logprob_width
+
+            self._logprob_width = draft_logprob_width((self.vllm_config.additional_config or {}).get("adaptree"))
+        return self._logprob_width
+
+    def take_draft_token_ids(self):
+        out = super().take_draft_token_ids()
+        logprobs, self._draft_logprobs = self._draft_logprobs, None
+        if out is not None and logprobs:
+            out.logprobs = [logprobs.get(r) for r in out.req_ids]
+        return out
 
     def _sample(self, logits, spec_decode_metadata):
         # with a drafter configured vLLM builds speculative metadata for every step and samples through its rejection
@@ -53,8 +75,13 @@ class _IdleDrafterOff:
                 and not spec.disable_padded_drafter_batch and isinstance(sampled_token_ids, torch.Tensor)
                 and all(n == 1 + len(spec_tokens.get(r, ()))
                         for r, n in scheduler_output.num_scheduled_tokens.items()))
+        self._draft_logprobs = None
         if not skip:
-            return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+            width = self._width()
+            model = getattr(self.drafter, "model", None)
+            if not width or model is None or not spec.use_eagle():
+                return super().propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs)
+            return self._propose_recording(width, model, scheduler_output, sampled_token_ids, *args, **kwargs)
         self.drafter_skips += 1
         self._draft_probs = None
         self._draft_prob_req_ids = None
@@ -63,6 +90,35 @@ class _IdleDrafterOff:
             sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)
         self._copy_valid_sampled_token_count(next_token_ids, valid_counts)
         return torch.empty((sampled_token_ids.shape[0], 0), dtype=torch.int64, device=sampled_token_ids.device)
+
+
+    def _propose_recording(self, width, model, *args, **kwargs):
+        """vLLM's drafting, with the top-``width`` log-probs of every draft forward recorded per request."""
+        steps = []
+        own = model.__dict__.get("compute_logits")
+        compute = model.compute_logits
+
+        def recording(hidden_states):
+            logits = compute(hidden_states)
+            if logits is not None:  # EAGLE-3's logits over the target vocabulary, -inf outside the head's
+                steps.append(logits.float().log_softmax(-1).topk(width, dim=-1).values)
+            return logits
+
+        model.compute_logits = recording
+        try:
+            drafts = super().propose_draft_token_ids(*args, **kwargs)
+        finally:
+            if own is None:
+                del model.compute_logits
+            else:
+                model.compute_logits = own
+        # one forward per draft, one row per request in the batch's order (the drafts' rows)
+        if isinstance(drafts, torch.Tensor) and drafts.dim() == 2 and 0 < drafts.shape[1] == len(steps):
+            n = drafts.shape[0]
+            if all(s.shape[0] >= n for s in steps):
+                rows = torch.stack([s[:n] for s in steps], dim=1).tolist()
+                self._draft_logprobs = dict(zip(self.input_batch.req_ids, rows))
+        return drafts
 
 
 def _idle_drafter_off(runner_cls: type) -> type:

@@ -180,7 +180,13 @@ class LTDObservation:
                   machine: MachineTree | None = None) -> torch.Tensor:
         """π_D's input after a draft forward: the frontier's cumulative log-probs (W at depth 1, W² later), D, L
         (and the costs, the match features, the machine tree's features)."""
-        return self._vector(step.child_scores, self.frontier, step.depth, step.context_len, costs, match, machine)
+        return self.frontier_obs(step.child_scores, step.depth, step.context_len, costs, match, machine)
+
+    def frontier_obs(self, scores: torch.Tensor, depth: int, context_len: int, costs: list[float] | None = None,
+                     match: list[float] | None = None, machine: MachineTree | None = None) -> torch.Tensor:
+        """:meth:`depth_obs` from the frontier's scores themselves (at most W², any order), for a drafter that is not
+        adaptree's tree (vLLM's chains: :class:`adaptree.vllm_plugin.control.LtdLength`)."""
+        return self._vector(scores, self.frontier, depth, context_len, costs, match, machine)
 
     def first_obs(self, context_len: int, costs: list[float] | None = None, match: list[float] | None = None,
                   machine: MachineTree | None = None) -> torch.Tensor:
