@@ -98,6 +98,20 @@ def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
     assert crowded.drafter_skips > 0 and fixed.drafter_skips == 0
 
 
+def test_step_costs_are_measured_in_a_process_of_their_own_with_the_grid(setup, tmp_path):
+    """The step costs (and the grid search static-gs reads) measured by a spawned process, whose progress reaches this
+    one; what it saved is what is returned."""
+    from adaptree.vllm_plugin.engine import measure_step_costs_to
+
+    target, head, prompts, _ = setup
+    seen = []
+    costs = measure_step_costs_to(tmp_path / "c.json", target, head, prompts[:1], batch_sizes=(1, 2), k_max=1,
+                                  dtype="float32", new_tokens=16, repeats=1, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (4, 4) and StepCosts.load(tmp_path / "c.json") == costs
+    assert costs.batch_sizes == [1, 2] and costs.k_max == 1 and costs.machine["engine"] == "vllm"
+    assert all(t > 0 for row in costs.tokens_per_s for t in row) and costs.best_fixed(2) in (0, 1)
+
+
 def test_the_plugin_is_registered_and_sets_vllms_cpu_threads(monkeypatch):
     from adaptree.vllm_plugin import register
 

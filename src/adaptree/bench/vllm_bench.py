@@ -277,7 +277,7 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     if controlled and step_costs is None:
         step_costs = str(out / "step_costs.json")
         if not Path(step_costs).exists():
-            from adaptree.vllm_plugin.engine import measure_step_costs
+            from adaptree.vllm_plugin.engine import measure_step_costs_to
 
             k_max = max(parse_arm(a)[1] for a in controlled)
             bar = tqdm(total=1, desc="vLLM step costs", disable=not progress)
@@ -289,10 +289,11 @@ def run_vllm_bench(cfg: VllmBenchConfig, progress: bool = True) -> dict:
             # the batch sizes the run reaches (the controller interpolates between them)
             top = max(cfg.streams)
             sizes = sorted({b for b in (1, 2, 4, 8, 16) if b <= top} | set(cfg.streams))
-            costs = measure_step_costs(target, exported, prompts, batch_sizes=sizes,
-                                       k_max=k_max, dtype=cfg.dtype, threads=cfg.threads, progress=tick)
+            tmp = out / "step_costs.json.tmp"  # whole or absent: a run stopped here measures again
+            measure_step_costs_to(tmp, target, exported, prompts, batch_sizes=sizes, k_max=k_max, dtype=cfg.dtype,
+                                  threads=cfg.threads, progress=tick)
             bar.close()
-            costs.save(step_costs)
+            tmp.replace(step_costs)
     settings_path.write_text(json.dumps({"settings": settings, "arms": cfg.arms, "machine": machine_profile()},
                                         indent=1))
     results = out / "results.jsonl"

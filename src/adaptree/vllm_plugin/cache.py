@@ -54,7 +54,7 @@ def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, t
     from adaptree.data.prompts import load_prompt_sets
     from adaptree.models import load_model
     from adaptree.models.cache import cache_dir
-    from adaptree.vllm_plugin.engine import measure_step_costs
+    from adaptree.vllm_plugin.engine import measure_step_costs_to
     from adaptree.vllm_plugin.export import target_folder
 
     target = target_folder(model, getattr(torch, dtype))
@@ -66,9 +66,8 @@ def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, t
     _, tok = load_model(model, getattr(torch, dtype))
     prompts = [tok.apply_chat([{"role": "user", "content": p.turns[0]}])
                for _, ps in load_prompt_sets(("mt_bench", "humaneval"), limit=3) for p in ps]
-    costs = measure_step_costs(target, head, prompts, k_max=k_max, dtype=dtype, threads=threads, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    costs.save(tmp)
+    measure_step_costs_to(tmp, target, head, prompts, k_max=k_max, dtype=dtype, threads=threads, progress=progress)
     tmp.replace(path)
     return path

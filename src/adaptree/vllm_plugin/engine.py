@@ -304,6 +304,50 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
     return StepCosts(list(batch_sizes), [_line(row) for row in measured], profile, grid)
 
 
+def measure_step_costs_to(path: str | Path, target: str | Path, head: str | Path, prompts: Sequence[Sequence[int]],
+                          progress=None, **kwargs):
+    """:func:`measure_step_costs` saved to ``path``, measured in a process of its own (spawned) where this one may
+    start one: vLLM's engine and KV cache leave with it, where an engine built in this process keeps its memory (2-3
+    GB with SmolLM2) for as long as the process runs, beside every arm a bench starts next. In a daemonic process (a
+    bench arm's worker) it measures here. ``progress(done, total)`` is called here either way."""
+    import multiprocessing as mp
+    import queue
+
+    from adaptree.vllm_plugin.control import StepCosts
+
+    if mp.current_process().daemon:
+        costs = measure_step_costs(target, head, prompts, progress=progress, **kwargs)
+        costs.save(path)
+        return costs
+    ctx = mp.get_context("spawn")
+    ticks = ctx.Queue()
+    proc = ctx.Process(target=_measure_and_save, name="adaptree-step-costs",
+                       args=(str(path), str(target), str(head), [list(p) for p in prompts], kwargs, ticks))
+    proc.start()
+    try:
+        while proc.is_alive() or not ticks.empty():
+            try:
+                done, total = ticks.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if progress is not None:
+                progress(done, total)
+        proc.join()
+    finally:
+        if proc.is_alive():  # interrupted: the measurement goes too
+            proc.terminate()
+            proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the vLLM step-cost measurement failed (exit code {proc.exitcode}); its output above "
+                           "says why")
+    return StepCosts.load(path)
+
+
+def _measure_and_save(path: str, target: str, head: str, prompts: list[list[int]], kwargs: dict, ticks) -> None:
+    costs = measure_step_costs(target, head, prompts, progress=lambda done, total: ticks.put((done, total)), **kwargs)
+    costs.save(path)
+
+
 def _line(row: Sequence[float]) -> list[float]:
     """A batch size's step times over K = 0, 1, ...: K = 0 as measured (the drafter off: no speculative work at
     all), K >= 1 on their least-squares line (slope at least 0), never below K = 0. Drafting has a fixed cost on top
