@@ -22,6 +22,28 @@ def test_arm_names():
         VllmBenchConfig(dtype="float16")
 
 
+def test_arm_configurations(tmp_path):
+    """vLLM's own EAGLE-3 arm as vLLM configures it; adaptree's controlled arms keep every shared prefix-cache block
+    (the drafter's holes are theirs to learn) and name their controller, radar and ltd with the policy next to the
+    head."""
+    from adaptree.bench.vllm_bench import vllm_arm
+    from adaptree.models.assets import shipped_head
+
+    head = str(shipped_head(None))
+    fixed = vllm_arm("vllm_eagle3:2", "exported", None)
+    assert fixed.adaptree is None and "disable_eagle_block_drop" not in fixed.spec
+    ltd = vllm_arm("vllm_ltd:5", "exported", "costs.json", head)
+    assert ltd.spec["disable_eagle_block_drop"] and ltd.spec["num_speculative_tokens"] == 5
+    assert ltd.adaptree == {"controller": "ltd", "step_costs": "costs.json", "policy": f"{head}/ltd/depth"}
+    assert vllm_arm("vllm_radar:3", "exported", "c.json", head).adaptree["policy"] == f"{head}/radar"
+    assert vllm_arm("vllm_static-gs:3", "exported", "c.json").adaptree == {"controller": "static-gs",
+                                                                              "step_costs": "c.json"}
+    with pytest.raises(ValueError, match="needs a step-cost file"):
+        vllm_arm("vllm_deagle:3", "exported", None)
+    with pytest.raises(ValueError, match="needs an LTD depth policy"):
+        vllm_arm("vllm_ltd:3", "exported", "c.json", str(tmp_path))
+
+
 def test_n_streams_keep_n_busy_over_every_prompt():
     prompts = [[i] for i in range(6)]
     assert stream_requests(prompts, 1) == prompts

@@ -29,7 +29,7 @@ def test_adaptrees_own_server_settings_are_refused_by_name(field, value, flag):
     check_config(ServeConfig(port=9000, api_key="k", default_max_tokens=10, graceful_timeout=3.0))
 
 
-@pytest.mark.parametrize("kwargs, why", [({"method": "ltd"}, "--method ltd decides trees in adaptree's own engine"),
+@pytest.mark.parametrize("kwargs, why", [({"method": "resps"}, "--method resps decides trees in adaptree's own engine"),
                                          ({"dtype": "int4"}, "--dtype must be one of"),
                                          ({"method": "static", "depth": 0}, "--depth must be in 1..16"),
                                          ({"method": "static", "step_costs": "x.json"}, "--step-costs is read by"),

@@ -109,9 +109,9 @@ def vllm_arm(name: str, head: str | None, step_costs: str | None, source_head: s
         return Arm(name)
     if kind == "vllm_ngram":
         return Arm(name, speculative_config("ngram", k))
-    spec = speculative_config("eagle3", k, head)
-    if kind == "vllm_eagle3":
-        return Arm(name, spec)
+    if kind == "vllm_eagle3":  # vLLM's own EAGLE-3, as vLLM configures it
+        return Arm(name, speculative_config("eagle3", k, head))
+    spec = speculative_config("eagle3", k, head, controlled=True)
     if step_costs is None:
         raise ValueError(f"arm {name}: needs a step-cost file")
     return Arm(name, spec, controller_settings(kind.removeprefix("vllm_"), step_costs, source_head, model))

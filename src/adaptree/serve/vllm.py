@@ -95,7 +95,8 @@ def vllm_serve_command(config: ServeConfig, model: str | None = None, head: str 
         argv += ["--speculative-config", json.dumps(speculative_config("ngram", k))]
     elif method != "ar":
         exported = prepared_head(model, head, dtype)
-        argv += ["--speculative-config", json.dumps(speculative_config("eagle3", k, exported))]
+        argv += ["--speculative-config",
+                 json.dumps(speculative_config("eagle3", k, exported, controlled=method in CONTROLLED))]
         if method in CONTROLLED:
             if step_costs is None:
                 in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")

@@ -3,6 +3,8 @@
 - :mod:`~adaptree.vllm_plugin.export`: adaptree's EAGLE-3 heads as the drafter checkpoint vLLM (and SGLang,
   SpecForge) loads with ``speculative_config={"method": "eagle3", "model": OUT}``, and the target folder vLLM loads.
 - :mod:`~adaptree.vllm_plugin.control`: the draft-length controllers (plain Python).
+- :mod:`~adaptree.vllm_plugin.worker`: vLLM's worker with the drafter off in steps that draft nothing, recording the
+  drafter's log-probs for the controllers with a stop rule (``worker_cls``).
 - :mod:`~adaptree.vllm_plugin.scheduler`: vLLM's scheduler asking a controller before every step
   (``scheduler_cls``); the only module here that imports vLLM at the top.
 - :mod:`~adaptree.vllm_plugin.engine`: a ``vllm.LLM`` with adaptree's settings, batches, the step-cost measurement.

@@ -58,8 +58,9 @@ def prepared_step_costs(model: str | None, head: Path, dtype: str, k_max: int, t
     from adaptree.vllm_plugin.export import target_folder
 
     target = target_folder(model, getattr(torch, dtype))
-    # "grid": files measured before the grid search (static-gs's tokens per second) was recorded are not reused
-    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads, "grid")
+    # what the measurement records and how it runs: files measured before the grid search (static-gs's tokens per
+    # second) or with vLLM's EAGLE prefix-cache block drop are not reused
+    key = _digest(machine_profile(), str(target), head.name, dtype, k_max, threads, "grid", "kept blocks")
     path = cache_dir() / "vllm" / f"step-costs-{key}.json"
     if path.is_file():
         return path

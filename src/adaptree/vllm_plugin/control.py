@@ -17,7 +17,10 @@ second of the whole batch, from :class:`StepCosts` (vLLM's own step time at B re
 :func:`adaptree.vllm_plugin.engine.measure_step_costs`) and each request's acceptance per draft position
 (:class:`Acceptance`, learned online from the verifications, starting from the batch's). :class:`HybridLength` is
 adaptree's ``hybrid``: the same, each request verifying the context's chain in place of the head's drafts where
-that is worth more.
+that is worth more. :class:`StaticGridLength` is ``static-gs``: the fixed length a grid search measured fastest at
+each batch size. :class:`DeagleLength`, :class:`RadarLength` and :class:`LtdLength` bring adaptree's depth rules
+(DEAGLE's vote, RADAR's policy, LTD's depth policy): costaware's drafts, each request's chain verified up to where
+the rule stops it, reading the drafter's log-probs (:class:`StopRuleLength`).
 """
 
 from __future__ import annotations
@@ -414,8 +417,8 @@ class StopRuleLength(CostAwareLength):
     draft (:mod:`adaptree.vllm_plugin.worker`), and the request verifies its chain up to the draft where the rule
     stops. How many the drafter makes (``K``) is costaware's batch decision, so the rule drafts where rows are
     nearly free and backs off under load as costaware does, but never more than one past the longest chain a rule
-    let through in this step. The drafts arrive with vLLM's synchronous scheduler
-    only (its async one keeps them in the worker), so these controllers run under it."""
+    let through in this step. The drafts arrive with vLLM's synchronous scheduler only (its async one keeps them in
+    the worker), so these controllers run under it."""
 
     reads_drafts = True
     width = 1
@@ -604,8 +607,9 @@ COSTED_CONTROLLERS = ("static-gs", "costaware", "hybrid", "deagle", "radar", "lt
 
 def build_controller(settings: Mapping, k_max: int):
     """The controller that ``settings`` (``additional_config["adaptree"]`` of the vLLM config) names:
-    ``{"controller": "costaware", "step_costs": PATH}`` (also ``static-gs``, ``hybrid``, ``deagle``; ``radar`` with
-    ``"policy": FOLDER``, a RADAR policy of adaptree's) or ``{"controller": "fixed", "k": K}``."""
+    ``{"controller": "costaware", "step_costs": PATH}`` (also ``static-gs``, ``hybrid``, ``deagle``; ``radar`` and
+    ``ltd`` with ``"policy": FOLDER``, a RADAR or LTD depth policy of adaptree's) or ``{"controller": "fixed", "k":
+    K}``."""
     if not isinstance(settings, Mapping):
         raise ValueError(f"additional_config['adaptree'] must be a mapping, got {settings!r}")
     unknown = set(settings) - {"controller", "k", "step_costs", "policy"}
@@ -642,7 +646,7 @@ POLICIES = {"radar": ("a RADAR policy", "radar"), "ltd": ("an LTD depth policy",
 
 def draft_logprob_width(settings: Mapping | None) -> int:
     """How many log-probs per draft the worker records for the controller ``settings`` names (0: none). Read in the
-    worker's process, so a RADAR policy's width is read from its config without loading it."""
+    worker's process, so a policy's width is read from its config without loading it."""
     name = (settings or {}).get("controller") if isinstance(settings, Mapping) else None
     if name == "deagle":
         return DeagleLength.width

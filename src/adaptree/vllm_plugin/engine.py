@@ -30,15 +30,29 @@ SYNC_SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
 ``radar``)."""
 
 
-def speculative_config(method: str, k: int, head: str | Path | None = None) -> dict[str, Any]:
+def speculative_config(method: str, k: int, head: str | Path | None = None,
+                       controlled: bool = False) -> dict[str, Any]:
     """vLLM's ``speculative_config`` of ``k`` drafts per step: ``eagle3`` (``head``: the exported drafter folder)
-    or ``ngram`` (vLLM's prompt lookup, 2- to 4-token matches as adaptree's ``ngram``)."""
+    or ``ngram`` (vLLM's prompt lookup, 2- to 4-token matches as adaptree's ``ngram``). ``controlled``: for
+    adaptree's scheduler and worker, which keep every prefix-cache block a prompt shares with an earlier one, as
+    plain decoding does.
+
+    With EAGLE, vLLM's prefix cache resumes a prompt one block (128 tokens on its CPU backend) before the cached
+    prefix ends: the drafter's entry at a block's last position was computed with the token after it, which a prompt
+    sharing only that block may not have. That costs the prefix cache a whole block of every shared prompt, and all
+    of any prompt under two blocks, for one drafter position whose draft the target verifies anyway. adaptree's
+    worker already leaves the drafter's cache with holes where it skips the drafter under load, and its controllers
+    learn the acceptance that results; so its arms keep the block (vLLM's ``disable_eagle_block_drop``, which vLLM
+    calls experimental and which never changes the text, only how often drafts are accepted)."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method == "eagle3":
         if head is None:
             raise ValueError("eagle3 drafts need the head exported for vLLM (adaptree export-head)")
-        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+        spec: dict[str, Any] = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+        if controlled:
+            spec["disable_eagle_block_drop"] = True
+        return spec
     raise ValueError(f"speculative method must be eagle3 or ngram, got {method!r}")
 
 
@@ -260,7 +274,7 @@ def measure_step_costs(target: str | Path, head: str | Path, prompts: Sequence[S
 
     if not prompts:
         raise ValueError("measure_step_costs needs at least one prompt")
-    arm = Arm("step-costs", spec=speculative_config("eagle3", k_max, head),
+    arm = Arm("step-costs", spec=speculative_config("eagle3", k_max, head, controlled=True),
               adaptree={"controller": "fixed", "k": k_max})
     llm = make_llm(target, arm, dtype=dtype, threads=threads, max_num_seqs=max(batch_sizes))
     sched = scheduler_of(llm)
