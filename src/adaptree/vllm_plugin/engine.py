@@ -27,7 +27,7 @@ SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftAsyncScheduler"
 the scheduler plans step t+1 while step t runs."""
 SYNC_SCHEDULER = "adaptree.vllm_plugin.scheduler.AdaptiveDraftScheduler"
 """Without: for a controller that reads each request's output or drafts when it decides (``hybrid``, ``deagle``,
-``radar``)."""
+``radar``, ``ltd``)."""
 
 
 def speculative_config(method: str, k: int, head: str | Path | None = None,
@@ -198,7 +198,7 @@ class BatchResult:
     chains: int = 0
     """Request-steps that verified the context's chain in place of the head's drafts (the hybrid controller)."""
     stopped: int = 0
-    """Drafts a stop rule left unverified (the deagle and radar controllers)."""
+    """Drafts a stop rule left unverified (the deagle, radar and ltd controllers)."""
 
     @property
     def tokens(self) -> int:

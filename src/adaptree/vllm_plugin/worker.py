@@ -14,10 +14,11 @@ The trade: the drafter's cache keeps no entries for the positions of skipped ste
 stretch see a context with holes and are accepted less (never wrong: verification is the target's). The controller
 sees that acceptance and drafts accordingly.
 
-For a controller with a stop rule (``deagle``, ``radar``: :class:`adaptree.vllm_plugin.control.StopRuleLength`) the
-runner also records, at each of the drafter's forwards, the top-``W`` log-probs of its distribution per request (the
-drafted token's first: vLLM drafts greedily by default) and hands them to the scheduler with the drafts
-(``DraftTokenIds.logprobs``, which vLLM's synchronous engine passes on as it is).
+For a controller with a stop rule (``deagle``, ``radar``, ``ltd``:
+:class:`adaptree.vllm_plugin.control.StopRuleLength`) the runner also records, at each of the drafter's forwards,
+the top-``W`` log-probs of its distribution per request (the drafted token's first: vLLM drafts greedily by default)
+and hands them to the scheduler with the drafts (``DraftTokenIds.logprobs``, which vLLM's synchronous engine passes
+on as it is).
 
 Enable it with ``worker_cls="adaptree.vllm_plugin.worker.AdaptiveCPUWorker"`` (``--worker-cls`` for
 ``vllm serve``) or ``...AdaptiveGPUWorker`` with vLLM's CUDA build: :func:`adaptree.vllm_plugin.engine.make_llm` sets
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class _IdleDrafterOff:
-    """Mixed into vLLM's model runner: the drafter runs only in steps that draft, and a step that verifies no draft
-    samples as plain decoding does."""
+    """Mixed into vLLM's model runner: the drafter runs only in steps that draft, a step that verifies no draft
+    samples as plain decoding does, and the drafter's log-probs go with its drafts where a stop rule reads them."""
 
     drafter_skips = 0
     """Steps in which the drafter did not run (the bench reports them)."""
@@ -90,7 +91,6 @@ class _IdleDrafterOff:
             sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu)
         self._copy_valid_sampled_token_count(next_token_ids, valid_counts)
         return torch.empty((sampled_token_ids.shape[0], 0), dtype=torch.int64, device=sampled_token_ids.device)
-
 
     def _propose_recording(self, width, model, *args, **kwargs):
         """vLLM's drafting, with the top-``width`` log-probs of every draft forward recorded per request."""
