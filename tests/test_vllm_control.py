@@ -245,6 +245,17 @@ def test_deagle_backs_off_under_load_as_costaware_does():
     assert k == 0 and set(ks.values()) == {0}
 
 
+def _policy_controller(tmp_path, name, policy, costs):
+    """The controller ``name`` built from settings naming ``policy`` and ``costs`` saved under ``tmp_path``, after one
+    request's drafts were all accepted 50 times and a step was decided; and the settings."""
+    costs.save(tmp_path / "c.json")
+    settings = {"controller": name, "step_costs": str(tmp_path / "c.json"), "policy": str(policy)}
+    ctl = build_controller(settings, 5)
+    _warm(ctl, ["a"], 5, 5)
+    ctl.decide(["a"])
+    return ctl, settings
+
+
 def test_radar_reads_its_policy_and_the_machines_costs_from_the_step_costs(tmp_path):
     """The shipped RADAR policy, on chains: a decision per draft, never more than the drafts; its machine features
     are the step costs' at the batch (rows dearer relative to a step at 16 requests than at one)."""
@@ -253,17 +264,12 @@ def test_radar_reads_its_policy_and_the_machines_costs_from_the_step_costs(tmp_p
     from adaptree.models.assets import shipped_head
     from adaptree.vllm_plugin.control import RadarLength, draft_logprob_width, vllm_cost_features
 
-    policy = shipped_head(None) / "radar"
     c = _grid(_costs(base=0.030, row=0.002), [[30, 40, 45, 44, 43, 41]] * 3)
     one, many = vllm_cost_features(c, 1), vllm_cost_features(c, 16)
     assert len(one) == 5 and one[0] < many[0] and one[3] < many[3]
     assert one[1] == pytest.approx(math.log1p(4 * one[0]))
-    c.save(tmp_path / "c.json")
-    settings = {"controller": "radar", "step_costs": str(tmp_path / "c.json"), "policy": str(policy)}
-    ctl = build_controller(settings, 5)
+    ctl, settings = _policy_controller(tmp_path, "radar", shipped_head(None) / "radar", c)
     assert isinstance(ctl, RadarLength) and ctl.reads_drafts and ctl.width == draft_logprob_width(settings) == 10
-    _warm(ctl, ["a"], 5, 5)
-    ctl.decide(["a"])
     for probs in ([0.99] * 5, [0.3] * 5, [0.99, 0.2, 0.9]):
         assert 1 <= ctl.stop(_logprobs(probs, width=10)) <= len(probs)
     with pytest.raises(ValueError, match="needs additional_config\\['adaptree'\\]\\['policy'\\]"):
@@ -284,15 +290,10 @@ def test_ltd_depth_policy_verifies_longer_chains_where_the_drafter_is_sure_and_r
     from adaptree.models.assets import shipped_head
     from adaptree.vllm_plugin.control import LtdLength, draft_logprob_width
 
-    policy = shipped_head(None) / "ltd" / "depth"
     c = _grid(_costs(base=0.030, row=0.002), [[30, 40, 45, 48, 43, 41], [100, 110, 105, 100, 90, 80],
                                                 [300, 250, 200, 180, 160, 150]])
-    c.save(tmp_path / "c.json")
-    settings = {"controller": "ltd", "step_costs": str(tmp_path / "c.json"), "policy": str(policy)}
-    ctl = build_controller(settings, 5)
+    ctl, settings = _policy_controller(tmp_path, "ltd", shipped_head(None) / "ltd" / "depth", c)
     assert isinstance(ctl, LtdLength) and ctl.reads_drafts and ctl.width == draft_logprob_width(settings) == 10
-    _warm(ctl, ["a"], 5, 5)
-    ctl.decide(["a"])
     sure, unsure = ctl.stop(_logprobs([0.97] * 5, width=10), 200), ctl.stop(_logprobs([0.3] * 5, width=10), 200)
     assert 1 <= unsure < sure <= 5, (unsure, sure)
     ctl.batch_size = 16

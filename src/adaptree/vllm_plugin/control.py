@@ -286,11 +286,16 @@ class CostAwareLength:
         """A timed pure decode step: ``batch`` requests each verified ``k`` drafts and drafted ``k`` more."""
         self.costs.observe(batch, k, seconds)
 
+    per_request = ("requests",)
+    """The attributes holding a mapping per running request, which :meth:`forget` prunes."""
+
     def forget(self, live: Iterable[str]) -> None:
-        """Drop the estimates of requests that are no longer running."""
+        """Drop what is held for requests that are no longer running."""
         keep = set(live)
-        for r in [r for r in self.requests if r not in keep]:
-            del self.requests[r]
+        for name in self.per_request:
+            held = getattr(self, name)
+            for r in [r for r in held if r not in keep]:
+                del held[r]
 
 
 MATCH_BUCKETS = (2, 3, 4, 8, 16)
@@ -317,6 +322,7 @@ class HybridLength(CostAwareLength):
 
     name = "hybrid"
     uses_context = True
+    per_request = ("requests", "indexes")
 
     def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR,
                  min_n: int = 2, max_n: int = 4) -> None:
@@ -379,11 +385,6 @@ class HybridLength(CostAwareLength):
         else:
             self.chain_rates[bucket].observe(drafted, accepted)
 
-    def forget(self, live: Iterable[str]) -> None:
-        super().forget(live)
-        keep = set(live)
-        for r in [r for r in self.indexes if r not in keep]:
-            del self.indexes[r]
 
 
 class StaticGridLength(FixedLength):
@@ -423,10 +424,12 @@ class StopRuleLength(CostAwareLength):
     reads_drafts = True
     width = 1
     """Log-probs per draft the rule reads (the drafted token's first)."""
+    per_request = ("requests", "logprobs")
 
     def __init__(self, costs: StepCosts, k_max: int | None = None, prior: Sequence[float] = DEFAULT_PRIOR) -> None:
         super().__init__(costs, k_max, prior)
         self.logprobs: dict[str, tuple[list[list[float]], int]] = {}
+        self._machines: dict[tuple[int, bool], tuple] = {}
         self.stopped = 0
         """Drafts the rule left unverified (the bench reports them)."""
 
@@ -442,14 +445,30 @@ class StopRuleLength(CostAwareLength):
     def machine(self, batch: int, tree: bool = True):
         """vLLM at ``batch`` requests as adaptree's learned policies see a machine: its cost features
         (:func:`vllm_cost_features`) and, with ``tree``, its best static tree: the grid search's chain there
-        (:meth:`StepCosts.best_fixed`, at least one draft; a chain of d drafts verifies d)."""
-        from adaptree.methods.common.machine_tree import MachineTree
+        (:meth:`StepCosts.best_fixed`, at least one draft; a chain of d drafts verifies d). Read from the measured
+        table, so computed once per batch size."""
+        seen = self._machines
+        if (batch, tree) not in seen:
+            from adaptree.methods.common.machine_tree import MachineTree
 
-        features = vllm_cost_features(self.costs.table, batch)
-        if not tree:
-            return features, None
-        k = max(self.costs.table.best_fixed(batch), 1)
-        return features, MachineTree(k, k, {d: d for d in range(1, 17)})
+            features = vllm_cost_features(self.costs.table, batch)
+            k = max(self.costs.table.best_fixed(batch), 1) if tree else 0
+            seen[(batch, tree)] = features, MachineTree(k, k, {d: d for d in range(1, 17)}) if tree else None
+        return seen[(batch, tree)]
+
+    def continuations(self, logprobs: list[list[float]]):
+        """The chain as the beam a policy trained on trees reads: after draft ``d`` (1-based), the cumulative
+        log-probs of the ``width`` best continuations of the chain's first ``d - 1`` drafts (what EAGLE-3's beam
+        holds at depth 1; padded with -1e9, below every policy's floor). Yields ``(d, scores)``."""
+        import torch
+
+        prefix = 0.0
+        for d, row in enumerate(logprobs, start=1):
+            scores = torch.tensor(row[:self.width], dtype=torch.float32) + prefix
+            if scores.numel() < self.width:
+                scores = torch.cat([scores, scores.new_full((self.width - scores.numel(),), -1e9)])
+            yield d, scores
+            prefix += row[0]
 
     def decide(self, requests: Sequence[str]) -> tuple[dict[str, int], int]:
         ks, k = super().decide(requests)
@@ -467,11 +486,6 @@ class StopRuleLength(CostAwareLength):
         # its whole chain through sees a longer one next step
         return ks, k if reach is None else min(k, reach + 1)
 
-    def forget(self, live: Iterable[str]) -> None:
-        super().forget(live)
-        keep = set(live)
-        for r in [r for r in self.logprobs if r not in keep]:
-            del self.logprobs[r]
 
 
 class DeagleLength(StopRuleLength):
@@ -502,9 +516,8 @@ class DeagleLength(StopRuleLength):
 
 class RadarLength(StopRuleLength):
     """RADAR's LSTM stop policy (:class:`~adaptree.methods.radar.policy.RadarPolicy`, the one shipped with the head)
-    on a chain: after draft ``d`` it reads the cumulative log-probs of the ``W`` best continuations of the chain's
-    first ``d - 1`` drafts (what EAGLE-3's beam holds at depth 1; deeper, a tree's beam would also hold other
-    branches) and stops where ``P(STOP) >= 0.5``. It sees vLLM's machine at the step's batch size
+    on a chain: after draft ``d`` it reads the chain's continuations as its beam (:meth:`StopRuleLength.continuations`;
+    deeper than depth 1 a tree's beam would also hold other branches) and stops where ``P(STOP) >= 0.5``. It sees vLLM's machine at the step's batch size
     (:meth:`StopRuleLength.machine`); no context match (0s: this port verifies the head's drafts only)."""
 
     name = "radar"
@@ -533,24 +546,20 @@ class RadarLength(StopRuleLength):
         import torch
 
         costs = self._costs(self.batch_size)
-        hc, prefix = None, 0.0
+        hc = None
         with torch.inference_mode():
-            for d, row in enumerate(logprobs, start=1):
-                scores = torch.tensor(row[:self.width], dtype=torch.float32) + prefix
-                if scores.numel() < self.width:
-                    scores = torch.cat([scores, scores.new_full((self.width - scores.numel(),), -1e9)])
+            for d, scores in self.continuations(logprobs):
                 logits, hc = self.policy.step(scores, d, hc, costs, self.match)
                 if float(torch.softmax(logits.float(), -1)[0]) >= 0.5:
                     return d
-                prefix += row[0]
         return len(logprobs)
 
 
 class LtdLength(StopRuleLength):
     """LTD's depth policy π_D (:class:`~adaptree.offline.policy.MLPPolicy`, the one shipped with the head) on a chain:
     after draft ``d`` its observation (:meth:`~adaptree.methods.ltd.controller.LTDObservation.frontier_obs`) holds the
-    cumulative log-probs of the ``W`` best continuations of the chain's first ``d - 1`` drafts (a tree's frontier
-    holds ``W²``; the rest is padding, as at a tree's depth 1), D, the request's context length, vLLM's machine at
+    chain's continuations (:meth:`StopRuleLength.continuations`; a tree's frontier holds ``W²``, the rest is padding,
+    as at a tree's depth 1), D, the request's context length, vLLM's machine at
     the step's batch size (:meth:`StopRuleLength.machine`) and no context match; STOP ends the verified chain. A
     chain's V is its depth, so LTD's size policy has nothing to decide here."""
 
@@ -570,18 +579,13 @@ class LtdLength(StopRuleLength):
         self.match = [0.0] * 3 if self.obs.use_match else None
 
     def stop(self, logprobs: list[list[float]], context_len: int = 0) -> int:
-        import torch
-
         from adaptree.methods.ltd.controller import STOP
 
         features, tree = self.machine(self.batch_size, self.obs.use_tree)
         costs = features if self.obs.use_costs else None
-        prefix = 0.0
-        for d, row in enumerate(logprobs, start=1):
-            scores = torch.tensor(row[:self.width], dtype=torch.float32) + prefix
+        for d, scores in self.continuations(logprobs):
             if self.policy.act(self.obs.frontier_obs(scores, d, context_len, costs, self.match, tree)) == STOP:
                 return d
-            prefix += row[0]
         return len(logprobs)
 
 
