@@ -86,11 +86,13 @@ def test_exported_head_and_adaptrees_scheduler_keep_vllms_greedy_text(setup):
     assert sum(r.chains for r in runs["vllm_hybrid:3"]) > 0
     single = [r for r in runs["vllm_costaware:3"][:3]]
     assert sum(r.draft_tokens for r in single) > 0 and sum(r.accepted_tokens for r in single) > 0
-    # where rows are nearly free it drafts as deep as the fixed arm and its drafts are as good: the drafter saw
-    # every prompt (a step with prompt tokens always runs it) and every decoded token
+    # its drafts are as good as the fixed arm's: the drafter saw every prompt (a step with prompt tokens always runs
+    # it) and every decoded token. How deep it drafts follows the step times it measures as it runs (LiveCosts), so
+    # the measure is the share of drafts accepted, which a shorter chain can only raise (a draft is accepted only
+    # after all before it were)
     fixed_single = runs["vllm_eagle3:3"][:3]
-    tau = [1 + sum(r.accepted_tokens for r in rs) / sum(r.drafts for r in rs) for rs in (single, fixed_single)]
-    assert tau[0] >= 0.9 * tau[1], tau
+    share = [sum(r.accepted_tokens for r in rs) / sum(r.draft_tokens for r in rs) for rs in (single, fixed_single)]
+    assert share[0] >= 0.9 * share[1], share
     # at three streams the costs make every row cost a token: adaptree's scheduler drafts less than a fixed K=3
     crowded, fixed = runs["vllm_costaware:3"][3], runs["vllm_eagle3:3"][3]
     assert crowded.draft_tokens < fixed.draft_tokens / 2
