@@ -44,6 +44,7 @@ from adaptree.core.engine import Engine
 from adaptree.core.records import GenerationResult
 from adaptree.core.verify import SamplingConfig
 from adaptree.methods import make_controller
+from adaptree.models.ggml import GgmlUnavailable
 
 Messages = Sequence[dict[str, str]]
 """A conversation: ``[{"role": "user", "content": "..."}, ...]``."""
@@ -161,7 +162,7 @@ class Pipeline:
         """The head's folder: learned methods' policies and the tuned static tree are found next to it."""
         self.dtype = dtype
         self.weights = weights
-        """``float`` or ``int4`` (:data:`~adaptree.adapt.execution.WEIGHTS`)."""
+        """``float``, ``int4`` or ``ggml`` (:data:`~adaptree.adapt.execution.WEIGHTS`)."""
         self.max_seq_len = max_seq_len
         self.engine = Engine(target, head, eos_token_ids=tokenizer.eos_token_ids, max_seq_len=max_seq_len)
         self.machine: MachineSetup | None = None
@@ -329,8 +330,10 @@ def load(model: str | Path | None = None, head: str | Path | None = "auto", *, d
         (``config.json`` + ``model.safetensors``), or None for no head (autoregressive decoding only).
     :param dtype: ``"auto"`` (the one this machine runs fastest, chosen by measurement and cached), ``"float32"``
         (bit-exact lossless greedy output), ``"bfloat16"`` or ``"float16"``.
-    :param weights: ``"auto"`` (chosen with the dtype), ``"float"`` (dequantised to ``dtype``) or ``"int4"`` (a GGUF
-        model's own 4-bit blocks, :mod:`adaptree.models.quant`; CPU only).
+    :param weights: ``"auto"`` (chosen with the dtype), ``"float"`` (dequantised to ``dtype``), ``"int4"`` (a GGUF
+        model's own 4-bit blocks, :mod:`adaptree.models.quant`; CPU only) or ``"ggml"`` (the GGUF file on llama.cpp's
+        kernels, :mod:`adaptree.models.ggml`, ``dtype`` the draft head's; CPU only, needs llama-cpp-python: where it
+        cannot run, one line says why and the float weights run instead).
     :param compile: ``"auto"`` (decode steps and small trees run through ``torch.compile`` up to the tree size where
         it measured faster on this machine, cached; eager without a measurement), ``"on"`` or ``"off"``
         (:func:`adaptree.adapt.compile.compile_tokens`). Compiling costs seconds once per process, on the first
@@ -409,9 +412,15 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
     dt = dtype_of(dtype)
     if max_seq_len is not None and int(max_seq_len) < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    if weights == "int4" and torch.device(device).type != "cpu":
-        raise ValueError(f"weights='int4' runs on the CPU only, not on {device}")
-    target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
+    if weights in ("int4", "ggml") and torch.device(device).type != "cpu":
+        raise ValueError(f"weights={weights!r} runs on the CPU only, not on {device}")
+    try:
+        target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
+    except GgmlUnavailable as e:  # this llama.cpp cannot run the file: PyTorch's kernels on the same weights
+        say(f"warning: the llama.cpp backend cannot run {model or 'the default model'} here ({e}); "
+            f"using PyTorch's kernels ({dtype})")
+        weights = "float"
+        target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len, weights=weights)
     if head == "auto":
         head_folder = shipped_head(model)
     elif head is None or head == "none":

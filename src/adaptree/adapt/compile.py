@@ -80,7 +80,7 @@ def compile_tokens(target, measure: bool = True, mode: str = "auto", message: Ca
     (``measure=False`` and nothing cached): 0, on a GPU always 0 (not measured there)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
-    if mode == "off" or target.device.type != "cpu":
+    if mode == "off" or target.device.type != "cpu" or getattr(target, "backend", "torch") != "torch":
         return 0
     if mode == "on":
         return max(COMPILE_SIZES)

@@ -16,10 +16,17 @@ from adaptree.adapt.setup import AdaptConfig, AdaptError, adapt
 from adaptree.core.engine import synchronize
 from adaptree.core.pipeline import PipelineLike
 from adaptree.models.cache import DTYPES  # adaptree.load takes these names and "auto" (measured)
+from adaptree.models.loader import WEIGHT_KINDS
 
-WEIGHTS = ("float", "int4")
-"""How :func:`adaptree.load` runs the weights: ``float`` (dequantised to the dtype) or ``int4`` (a GGUF model's own
-4-bit blocks run by PyTorch's int4 CPU kernel, :mod:`adaptree.models.quant`); ``"auto"``: chosen by measurement."""
+AUTO_GGML = ("ggml", "ggml-q4_0")
+"""The llama.cpp modes ``weights="auto"`` measures: the file's own types and Q4_0, whose repacked GEMM ran every row
+count fastest on the machines measured (docs/ggml.md); ``ggml-q8_0`` on request."""
+
+WEIGHTS = WEIGHT_KINDS
+"""How :func:`adaptree.load` runs the weights: ``float`` (dequantised to the dtype), ``int4`` (a GGUF model's own
+4-bit blocks run by PyTorch's int4 CPU kernel, :mod:`adaptree.models.quant`) or ``ggml`` (the GGUF file run by
+llama.cpp's kernels, :mod:`adaptree.models.ggml`; ``ggml-q4_0`` / ``ggml-q8_0``: requantized by llama.cpp first; the
+dtype is then the draft head's); ``"auto"``: chosen by measurement."""
 
 
 def execution_name(dtype: str, weights: str = "float") -> str:
@@ -66,7 +73,9 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
     dtypes = dtype_candidates(device) if dtype == "auto" else (dtype,)
     if weights == "auto":
         packable = torch.device(device).type == "cpu" and is_gguf_model(model)
-        kinds = ("float", "int4") if packable else ("float",)
+        kinds = ("float", "int4", *AUTO_GGML) if packable else ("float",)
+        if packable and ggml_unavailable() is not None:
+            kinds = ("float", "int4")
     else:
         kinds = (weights,)
     out = []
@@ -74,8 +83,17 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
         for w in kinds:
             if w == "int4" and dt == "float32" and "auto" in (dtype, weights):
                 continue  # the int4 kernel's float32 path is a slow reference: only on request
+            if w.startswith("ggml") and dtype == "auto" and dt != fallback_dtype(device):
+                continue  # the dtype is only the draft head's there: the one this CPU runs natively
             out.append(execution_name(dt, w))
     return tuple(out)
+
+
+def ggml_unavailable() -> str | None:
+    """Why the llama.cpp backend (``weights="ggml"``) cannot run here, or None when it can."""
+    from adaptree.models.ggml import ggml_available
+
+    return ggml_available()
 
 
 def fallback_dtype(device: str | torch.device = "cpu") -> str:

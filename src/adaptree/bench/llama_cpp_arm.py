@@ -2,7 +2,11 @@
 
 - ``llama_cpp``: its autoregressive decoding (greedy or sampled);
 - ``llama_cpp_lookup``: its prompt-lookup decoding (``LlamaPromptLookupDecoding``: n-gram drafts copied from the
-  context, 10 tokens).
+  context, 10 tokens);
+- ``llama_cpp_loop``: llama.cpp's own greedy loop through the low-level API (one ``llama_decode`` per token, argmax
+  of its logits; llama.cpp's default context settings), the bar for adaptree's ``ggml`` backend (docs/ggml.md);
+  ``llama_cpp_loop_q4_0``: the same on the file requantized to Q4_0 by llama.cpp
+  (:func:`adaptree.models.ggml.requantized`).
 
 A CPU user's alternative to adaptree is llama.cpp on the same file, so it is the bar the engine is measured
 against (docs/performance.md). Optional: ``pip install 'adaptree[llama-cpp]'`` (``llama-cpp-python`` builds
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
     from adaptree.bench.runner import BenchConfig
     from adaptree.core.pipeline import PipelineLike
 
-LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_lookup")
+LLAMA_CPP_METHODS = ("llama_cpp", "llama_cpp_lookup", "llama_cpp_loop", "llama_cpp_loop_q4_0")
 
 
 def llama_cpp_available() -> bool:
@@ -52,6 +56,8 @@ def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> A
     file fails here, in the bench's process."""
     if not llama_cpp_available():
         raise ValueError(_needs_llama_cpp(method))
+    if method.startswith("llama_cpp_loop") and not cfg.sampling.greedy:
+        raise ValueError(f"{method} decodes greedily only (it is the greedy bar); run the bench without sampling")
     from adaptree.models.assets import gguf_file
 
     return ArmRecipe(build_llama_cpp_arms, {"gguf_path": str(gguf_file(pipeline.model, f"the {method} arm")),
@@ -62,7 +68,8 @@ def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> A
 def build_llama_cpp_arms(methods: Sequence[str], gguf_path: str, eos_token_ids: Sequence[int],
                          n_ctx: int) -> dict[str, LlamaCppArm]:
     """The llama.cpp arms ``methods`` on ``gguf_path`` (in a worker process, on the bench's torch thread count)."""
-    return {m: LlamaCppArm(gguf_path, m, eos_token_ids, n_ctx=n_ctx) for m in methods}
+    return {m: (LlamaCppLoop(gguf_path, m, eos_token_ids, n_ctx=n_ctx) if m.startswith("llama_cpp_loop")
+                else LlamaCppArm(gguf_path, m, eos_token_ids, n_ctx=n_ctx)) for m in methods}
 
 
 class LlamaCppArm:
@@ -104,3 +111,71 @@ class LlamaCppArm:
         wall = time.perf_counter() - t0
         return GenerationResult(prompt_len=len(prompt_ids), token_ids=toks, wall_time_s=wall, stop_reason=stop,
                                 method=self.method)
+
+
+class LlamaCppLoop:
+    """llama.cpp's own greedy decoding through its low-level API: the prompt in one ``llama_decode``, then one
+    ``llama_decode`` of one token per step and the argmax of its logits (numpy over the returned row), in a context
+    with llama.cpp's default settings. ``llama_cpp_loop_q4_0`` runs the file requantized to Q4_0 first."""
+
+    def __init__(self, gguf_path: str | Path, method: str = "llama_cpp_loop", eos_token_ids: Sequence[int] = (),
+                 n_ctx: int = 4096, threads: int | None = None) -> None:
+        import numpy as np
+
+        from adaptree.models.ggml import libllama, requantized
+
+        ll = libllama().ll
+        self.method, self.eos, self._ll, self._np = method, {int(t) for t in eos_token_ids}, ll, np
+        quant = method.removeprefix("llama_cpp_loop").lstrip("_")
+        path = requantized(gguf_path, quant) if quant else Path(gguf_path)
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        threads = threads or torch.get_num_threads()
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = n_ctx
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        self.ctx = ll.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.mem = ll.llama_get_memory(self.ctx)
+
+    def _step(self, ids: list[int]) -> int:
+        ll, np = self._ll, self._np
+        arr = (ll.llama_token * len(ids))(*ids)
+        if ll.llama_decode(self.ctx, ll.llama_batch_get_one(arr, len(ids))) != 0:
+            raise RuntimeError(f"llama_decode of {len(ids)} tokens failed")
+        return int(np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)).argmax())
+
+    def __call__(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingConfig) -> GenerationResult:
+        if not sampling.greedy:
+            raise ValueError(f"{self.method} decodes greedily only (it is the greedy bar); run it without sampling")
+        self._ll.llama_memory_clear(self.mem, True)
+        toks: list[int] = []
+        stop = "max_new_tokens"
+        t0 = time.perf_counter()
+        tok = self._step(list(prompt_ids))
+        while True:
+            toks.append(tok)
+            if tok in self.eos:
+                stop = "eos"
+                break
+            if len(toks) >= max_new_tokens:
+                break
+            tok = self._step([tok])
+        wall = time.perf_counter() - t0
+        return GenerationResult(prompt_len=len(prompt_ids), token_ids=toks, wall_time_s=wall, stop_reason=stop,
+                                method=self.method)
+
+    def __del__(self) -> None:
+        ll = getattr(self, "_ll", None)
+        if ll is not None and getattr(self, "ctx", None):
+            ll.llama_free(self.ctx)
+            self.ctx = None
+        if ll is not None and getattr(self, "model", None):
+            ll.llama_model_free(self.model)
+            self.model = None

@@ -434,7 +434,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
     """``--model``, ``--draft``, ``--dtype`` (default ``dtype``, ``why`` it is that here), ``--weights``, ``--compile``,
     ``--device``, ``--threads``, ``--max-seq-len`` and (``adapt``) ``--adapt/--no-adapt``: what :func:`load_pipeline`
     reads. Commands that measure or train on purpose take ``adapt=False`` and an explicit dtype."""
-    from adaptree.adapt.execution import DTYPES
+    from adaptree.adapt.execution import DTYPES, WEIGHTS
     from adaptree.models import DEFAULT_MODEL_NAME, MODELS
 
     names = ", ".join(MODELS)
@@ -453,9 +453,11 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto", why: str = "
     g.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default=dtype,
                    help=f"weights and activations; auto = the one this machine runs fastest (measured once, cached), "
                         f"float32 for bit-exact lossless greedy output (default {dtype}{why})")
-    g.add_argument("--weights", choices=["auto", "float", "int4"], default="auto" if dtype == "auto" else "float",
+    g.add_argument("--weights", choices=["auto", *WEIGHTS], default="auto" if dtype == "auto" else "float",
                    help="float = dequantised to --dtype; int4 = the GGUF file's own 4-bit blocks run by PyTorch's "
-                        "int4 CPU kernel (docs/performance.md); auto = chosen with the dtype by measurement "
+                        "int4 CPU kernel (docs/performance.md); ggml = the GGUF file on llama.cpp's kernels, --dtype "
+                        "then the draft head's (docs/ggml.md; needs llama-cpp-python, else the float weights run); "
+                        "auto = chosen with the dtype by measurement "
                         f"(default {'auto' if dtype == 'auto' else 'float'})")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run decode steps and small trees through torch.compile: auto = up to the tree size where it "

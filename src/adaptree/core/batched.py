@@ -25,6 +25,9 @@ Stops mirror :meth:`Engine.generate <adaptree.core.engine.Engine.generate>`: aft
 ``max_len - n + 1``), checked in that order. ``lookahead`` more tokens may follow the stop (no EOS
 stop, while the context has room): what the target would say next (trace recording needs it).
 
+A target that runs one sequence at a time (:class:`~adaptree.models.ggml.GgmlTarget`) decodes the prompts one after
+another through the same stops.
+
 Batch shapes round differently from batch 1, so on a near-tie a row could take another token than the
 engine would (greedy); tests compare the outputs with the engine's on tiny and real models.
 """
@@ -140,6 +143,16 @@ def batched_decode(target, prompts: Sequence[Sequence[int]], max_new_tokens: int
         if on_done is not None:
             on_done(i, results[i])
         return False
+
+    if getattr(target, "backend", "torch") != "torch":  # one sequence at a time (llama.cpp): prompts in turn
+        cache = target.new_cache(max_len)
+        for i, prompt in enumerate(prompts):
+            cache.reset()
+            logits = target(torch.tensor([list(map(int, prompt))], device=dev), cache=cache,
+                            logits_at=slice(-1, None)).logits[:, -1]
+            while take(i, t := sample(logits)[0]):
+                logits = target(torch.tensor([[t]], device=dev), cache=cache).logits[:, -1]
+        return [r for r in results if r is not None]
 
     waiting = list(range(b, n_prompts))[::-1]  # popped from the end: in the given order
     first_batch = [list(map(int, prompts[i])) for i in range(b)]

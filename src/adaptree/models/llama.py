@@ -454,6 +454,9 @@ def context_limit(cfg: ModelConfig, max_seq_len: int | None = None) -> int:
 class Transformer(nn.Module):
     """Llama-family causal LM with tree attention and EAGLE-3 feature taps."""
 
+    backend = "torch"
+    """Whose kernels run it (:class:`adaptree.models.ggml.GgmlTarget` is the other target: ``"ggml"``)."""
+
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None) -> None:
         super().__init__()
         self.config = cfg

@@ -24,7 +24,12 @@ from adaptree.models.hf import load_hf_folder
 from adaptree.models.llama import ContextLimitError, Transformer
 from adaptree.models.tokenizer import TokenizerBundle
 
-__all__ = ["float_cache_folder", "load_model", "load_target"]
+__all__ = ["WEIGHT_KINDS", "float_cache_folder", "load_model", "load_target"]
+
+WEIGHT_KINDS = ("float", "int4", "ggml", "ggml-q4_0", "ggml-q8_0")
+"""How a target's weights run: dequantized to a float dtype, a GGUF file's 4-bit blocks on PyTorch's int4 kernel, or
+the GGUF file on llama.cpp's kernels (``ggml``: its own types; ``ggml-q4_0`` / ``ggml-q8_0``: requantized by
+llama.cpp first, :func:`adaptree.models.ggml.requantized`)."""
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +76,14 @@ def load_model(name_or_path: str | Path | None = None, dtype: torch.dtype = torc
     then runs the GGUF file's 4-bit blocks packed (:func:`adaptree.models.quant.pack_model`; GGUF models only).
     Returns ``(Transformer, TokenizerBundle)``.
     """
-    if weights not in ("float", "int4"):
-        raise ValueError(f"weights must be 'float' or 'int4', got {weights!r}")
+    if weights not in WEIGHT_KINDS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}, got {weights!r}")
+    if weights.startswith("ggml"):  # the file on llama.cpp's kernels (GgmlUnavailable: the caller falls back)
+        from adaptree.models.ggml import load_ggml, requantized
+
+        path = gguf_file(name_or_path, f"weights={weights!r}")
+        quant = weights.partition("-")[2]
+        return load_ggml(requantized(path, quant) if quant else path, dtype, max_seq_len)
     if weights == "int4":
         from adaptree.models.gguf_file import read_gguf
         from adaptree.models.quant import pack_model

@@ -52,6 +52,8 @@ def model_fingerprint(target: torch.nn.Module) -> str:
     """sha256 of a target's configuration and weights (dtype included: bf16 and fp32 records differ)."""
     h = hashlib.sha256(b"adaptree-target|")
     h.update(repr(target.config).encode())
+    if getattr(target, "backend", "torch") != "torch":  # weights outside PyTorch (llama.cpp's): the file and backend
+        h.update(f"|{target.backend}|{target.weights_id}".encode())
     _hash_state(h, target)
     return h.hexdigest()
 
