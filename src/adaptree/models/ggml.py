@@ -189,8 +189,9 @@ class GgmlCache:
         if not self.ctx:
             raise GgmlUnavailable(f"libllama could not create a context of {self.max_len} tokens")
         self._model = target.gguf  # the weights outlive this context
-        for lid in target.tap_layers:
-            lib.set_tap(self.ctx, lid, True)
+        self._taps = False
+        """Whether libllama copies out the tapped layer inputs: only while forwards ask for features, because keeping
+        those tensors costs a one-token step 0.7 of its 6 ms (AR never asks)."""
         self.mem = ll.llama_get_memory(self.ctx)
         self.batch = ll.llama_batch_init(self.max_len, 0, MAX_LEAVES + 1)
         n = self.max_len
@@ -237,7 +238,7 @@ class GgmlCache:
             fill = (self._pending + [0] * n)[:n - self._filled]
             self._pending = []
             self._decode(np.asarray(fill, dtype=np.int32), np.arange(self._filled, n, dtype=np.int32), None, [],
-                         taps=False)
+                         taps=None)
             self._filled = n
         self._length = n
 
@@ -334,11 +335,16 @@ class GgmlCache:
         return logits, feats
 
     def _decode(self, tokens: np.ndarray, pos: np.ndarray, seqs: Sequence[Sequence[int]] | None, rows: list[int],
-                taps: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+                taps: bool | None) -> tuple[np.ndarray | None, np.ndarray | None]:
         """One ``llama_decode`` of ``tokens`` at ``pos`` (``seqs``: each token's sequence ids, None: all in 0),
         returning the logits of ``rows`` ``[len(rows), vocab]`` and (``taps``) the tapped layer inputs side by side
-        ``[T, 3 * hidden]``."""
+        ``[T, 3 * hidden]`` (None: no features, the taps left as they are)."""
         ll, t = self._ll, len(tokens)
+        if taps is not None and taps != self._taps:  # libllama plans its graphs anew: once per switch
+            lib = libllama()
+            for lid in self.target.tap_layers:
+                lib.set_tap(self.ctx, lid, taps)
+            self._taps = taps
         b = self.batch
         b.n_tokens = t
         self._tok[:t] = tokens
