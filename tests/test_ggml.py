@@ -53,6 +53,66 @@ def test_a_tree_with_a_node_of_two_parents_is_refused_by_its_mask_shape():
         _tree_layout(torch.ones(3, 5, dtype=torch.bool))
 
 
+# -- on libllama, a tiny random GGUF (fast) ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ggml(tmp_path_factory):
+    """The tiny Q4_1 GGUF of the quantization tests on llama.cpp, with a tiny random head."""
+    from conftest import tiny_head
+    from test_registry import write_tiny_gguf
+
+    from adaptree.core.engine import Engine
+    from adaptree.models.ggml import load_ggml
+
+    target, _ = load_ggml(write_tiny_gguf(tmp_path_factory.mktemp("ggml") / "tiny.gguf", seed=5), torch.float32)
+    return Engine(target, tiny_head(target, draft_vocab=64))
+
+
+@needs_ggml
+def test_tiny_trees_and_chains_on_llama_cpp_keep_ar_greedy_text(tiny_ggml):
+    from conftest import PROMPTS
+
+    from adaptree.methods import StaticConfig, StaticController
+
+    eng = tiny_ggml
+    for prompt in PROMPTS:
+        ar = eng.generate(prompt, None, max_new_tokens=24)
+        for cfg in (StaticConfig(width=1, depth=4, size=4), StaticConfig(width=3, depth=4, size=8),
+                    StaticConfig(width=10, depth=8, size=70)):  # a chain, a tree, a tree verified in two pieces
+            assert eng.generate(prompt, StaticController(cfg), max_new_tokens=24).token_ids == ar.token_ids, cfg
+
+
+@needs_ggml
+def test_tiny_speculative_sampling_on_llama_cpp_matches_the_targets_distribution(tiny_ggml):
+    """Tokens 1 (the prompt's) and 2 (the first tree's, by rejection sampling over llama.cpp's logits) are drawn from
+    the target's joint distribution: a chi-square test over the cells with 5 expected draws or more."""
+    from scipy.stats import chisquare
+
+    from adaptree.core.verify import SamplingConfig, warp_probs
+    from adaptree.methods import StaticConfig, StaticController
+
+    eng, prompt, n = tiny_ggml, [1, 2, 3], 2500
+    cfg = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20)
+    target, vocab = eng.target, eng.target.config.vocab_size
+    cache = target.new_cache(8)
+    p1 = warp_probs(target(torch.tensor([prompt]), cache=cache).logits[0, -1], cfg)
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for a in torch.nonzero(p1).flatten().tolist():
+        cache.length = len(prompt)
+        joint[a] = float(p1[a]) * warp_probs(target(torch.tensor([[a]]), cache=cache).logits[0, -1], cfg).double()
+    counts = torch.zeros_like(joint)
+    ctl = StaticController(StaticConfig(3, 3, 8))
+    for i in range(n):
+        out = eng.generate(prompt, ctl, max_new_tokens=2,
+                           sampling=SamplingConfig(cfg.temperature, cfg.top_p, cfg.top_k, seed=10_000 + i))
+        counts[out.token_ids[0], out.token_ids[1]] += 1
+    exp = joint.flatten() * n
+    keep = exp >= 5
+    obs, exp = counts.flatten()[keep], exp[keep]
+    assert int(keep.sum()) >= 10 and float(obs.sum()) > 0.5 * n
+    assert chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue > 1e-3
+
+
 # -- on libllama, the real default model ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
