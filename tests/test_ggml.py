@@ -2,7 +2,7 @@
 llama.cpp needed), and on the real default model through libllama: the taps are the PyTorch target's features, a
 kept path leaves the cells as one-token steps would, every method's greedy text is llama.cpp AR's and AR's is
 llama.cpp's own loop's; where it cannot run, one line says why and PyTorch runs. The libllama tests skip without
-llama-cpp-python (``bash scripts/setup.sh --llama-cpp``)."""
+llama-cpp-python (``bash scripts/setup.sh`` builds it)."""
 
 from __future__ import annotations
 

@@ -412,7 +412,7 @@ def load_execution(model: str | Path | None, head: str | Path | None, mode: str,
     dt = dtype_of(dtype)
     if max_seq_len is not None and int(max_seq_len) < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    if weights in ("int4", "ggml") and torch.device(device).type != "cpu":
+    if (weights == "int4" or weights.startswith("ggml")) and torch.device(device).type != "cpu":
         raise ValueError(f"weights={weights!r} runs on the CPU only, not on {device}")
     try:
         target, tok = load_model(model, dtype=dt, max_seq_len=max_seq_len, weights=weights)

@@ -9,8 +9,8 @@
   (:func:`adaptree.models.ggml.requantized`).
 
 A CPU user's alternative to adaptree is llama.cpp on the same file, so it is the bar the engine is measured
-against (docs/performance.md). Optional: ``pip install 'adaptree[llama-cpp]'`` (``llama-cpp-python`` builds
-llama.cpp from source: a C++ compiler and CMake, minutes on 2 cores); CI does not need it. The arm uses the
+against (docs/performance.md). It needs llama-cpp-python, which ``bash scripts/setup.sh`` builds from source for
+this CPU (a C++ compiler and CMake, about 4.5 minutes on 2 cores, once). The arm uses the
 torch thread count for llama.cpp's threads (decode and prompt), runs the prompt's token ids as given (the same
 chat-templated ids as every other arm) and keeps the EOS token, as the engine does. llama.cpp computes with its
 own kernels on the quantized blocks, so its greedy text may differ from ours in a near-tie; the bench reports
@@ -48,7 +48,7 @@ def llama_cpp_available() -> bool:
 
 
 def _needs_llama_cpp(method: str) -> str:
-    return f"the {method} arm needs llama-cpp-python: pip install 'adaptree[llama-cpp]'"
+    return f"the {method} arm needs llama-cpp-python: bash scripts/setup.sh builds it for this CPU"
 
 
 def llama_cpp_recipe(method: str, cfg: BenchConfig, pipeline: PipelineLike) -> ArmRecipe:

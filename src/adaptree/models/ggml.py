@@ -69,7 +69,7 @@ def libllama() -> SimpleNamespace:
     try:
         import llama_cpp
     except ImportError:
-        raise GgmlUnavailable("llama-cpp-python is not installed (bash scripts/setup.sh --llama-cpp)") from None
+        raise GgmlUnavailable("llama-cpp-python is not installed (bash scripts/setup.sh builds it for this CPU)") from None
     except OSError as e:  # libllama itself failed to load (a build for another CPU, a missing libgomp, ...)
         raise GgmlUnavailable(f"libllama does not load: {e}") from None
     from llama_cpp import llama_cpp as ll  # the ctypes module; the package re-exports its functions
