@@ -48,7 +48,7 @@ def test_a_tree_runs_parents_first_with_a_sequence_per_leaf(parents):
         assert leaf_of[j] == seqs[j][0]
 
 
-def test_a_tree_with_a_node_of_two_parents_is_refused_by_its_mask_shape():
+def test_a_mask_over_more_than_the_new_tokens_is_refused():
     with pytest.raises(ValueError, match="new tokens only"):
         _tree_layout(torch.ones(3, 5, dtype=torch.bool))
 
