@@ -179,7 +179,8 @@ def test_a_kept_path_leaves_the_cells_as_one_token_steps_would(ggml_pipeline, pa
     assert torch.equal(got.logits, want.logits) and torch.equal(got.features, want.features)
     # and each kept node's verified row is the one-token step's
     for i, step in zip(path, steps):
-        assert torch.equal(tree.logits[0, i], step.logits[0, 0]) and torch.equal(tree.features[0, i], step.features[0, 0])
+        assert torch.equal(tree.logits[0, i], step.logits[0, 0])
+        assert torch.equal(tree.features[0, i], step.features[0, 0])
 
 
 @pytest.mark.slow
@@ -238,8 +239,7 @@ def test_requantized_files_are_made_once_and_run(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_where_llama_cpp_cannot_run_one_line_says_why_and_pytorch_runs(monkeypatch, capsys):
     import adaptree
-    from adaptree.models import default_model_path
-    from adaptree.models import ggml
+    from adaptree.models import default_model_path, ggml
 
     try:
         default_model_path()

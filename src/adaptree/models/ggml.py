@@ -69,10 +69,11 @@ def libllama() -> SimpleNamespace:
     try:
         import llama_cpp
     except ImportError:
-        raise GgmlUnavailable("llama-cpp-python is not installed (bash scripts/setup.sh builds it for this CPU)") from None
+        raise GgmlUnavailable("llama-cpp-python is not installed (bash scripts/setup.sh builds it here)") from None
     except OSError as e:  # libllama itself failed to load (a build for another CPU, a missing libgomp, ...)
         raise GgmlUnavailable(f"libllama does not load: {e}") from None
-    from llama_cpp import llama_cpp as ll  # the ctypes module; the package re-exports its functions
+    # the ctypes module itself: the package re-exports its functions but not the library handle
+    from llama_cpp import llama_cpp as ll
 
     lib = ll._lib
     taps = {}
@@ -520,7 +521,12 @@ def load_ggml(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len:
               threads: int | None = None):
     """The GGUF file ``path`` on llama.cpp (:class:`GgmlTarget`) and its tokenizer bundle; GgmlUnavailable when
     this machine's llama.cpp cannot run it (the caller falls back to PyTorch, saying why)."""
-    from adaptree.models.gguf_file import dequantize_gguf_tensor, gguf_config, gguf_tokenizer_bundle, read_gguf
+    from adaptree.models.gguf_file import (
+        dequantize_gguf_tensor,
+        gguf_config,
+        gguf_tokenizer_bundle,
+        read_gguf,
+    )
 
     why = ggml_available()
     if why is not None:
