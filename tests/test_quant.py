@@ -140,21 +140,21 @@ def test_attention_dtype_runs_cache_and_attention_in_float32(tiny_gguf_file):
 
 
 def test_execution_candidates(tiny_gguf_file, tmp_path, monkeypatch):
-    from adaptree.adapt import execution
     from adaptree.adapt.execution import execution_candidates, fallback_dtype
+    from adaptree.models import ggml
 
-    monkeypatch.setattr(execution, "ggml_unavailable", lambda: "llama-cpp-python is not installed")
+    monkeypatch.setattr(ggml, "ggml_available", lambda: "llama-cpp-python is not installed")
     assert execution_candidates(tiny_gguf_file) == ("bfloat16", "bfloat16+int4", "float32")
     # with llama.cpp: its modes with the head in the dtype this CPU runs natively
-    monkeypatch.setattr(execution, "ggml_unavailable", lambda: None)
+    monkeypatch.setattr(ggml, "ggml_available", lambda: None)
     native = fallback_dtype()
-    ggml = (f"{native}+ggml", f"{native}+ggml-q4_0")
-    want = ("bfloat16", "bfloat16+int4", *ggml, "float32") if native == "bfloat16" else \
-        ("bfloat16", "bfloat16+int4", "float32", *ggml)
+    modes = (f"{native}+ggml", f"{native}+ggml-q4_0")
+    want = ("bfloat16", "bfloat16+int4", *modes, "float32") if native == "bfloat16" else \
+        ("bfloat16", "bfloat16+int4", "float32", *modes)
     assert execution_candidates(tiny_gguf_file) == want
     assert execution_candidates(tiny_gguf_file, weights="ggml-q8_0") == (f"{native}+ggml-q8_0",)
     assert execution_candidates(tiny_gguf_file, dtype="float32", weights="ggml") == ("float32+ggml",)
-    monkeypatch.setattr(execution, "ggml_unavailable", lambda: "llama-cpp-python is not installed")
+    monkeypatch.setattr(ggml, "ggml_available", lambda: "llama-cpp-python is not installed")
     assert execution_candidates(tiny_gguf_file, dtype="float32") == ("float32",)
     assert execution_candidates(tiny_gguf_file, weights="int4") == ("bfloat16+int4",)
     assert execution_candidates(tiny_gguf_file, dtype="float32", weights="int4") == ("float32+int4",)

@@ -67,33 +67,29 @@ def execution_candidates(model, device: str | torch.device = "cpu", dtype: str =
     """The execution modes (:func:`execution_name`: ``"bfloat16"``, ``"float32"``,
     ``"bfloat16+int4"``) that ``dtype``/``weights`` leave to choose, ``"auto"`` meaning any. ``int4`` (the GGUF's
     4-bit blocks run by PyTorch's int4 kernel) is a candidate on a CPU for a GGUF model, with bfloat16 or float16
-    activations (its float32 kernel is a slow reference)."""
+    activations (its float32 kernel is a slow reference); so are :data:`AUTO_GGML` where llama.cpp runs here, with
+    the head in the dtype this CPU runs natively."""
+    from adaptree.models import ggml
     from adaptree.models.assets import is_gguf_model
 
     dtypes = dtype_candidates(device) if dtype == "auto" else (dtype,)
     if weights == "auto":
         packable = torch.device(device).type == "cpu" and is_gguf_model(model)
-        kinds = ("float", "int4", *AUTO_GGML) if packable else ("float",)
-        if packable and ggml_unavailable() is not None:
-            kinds = ("float", "int4")
+        kinds = ("float", "int4") if packable else ("float",)
+        if packable and ggml.ggml_available() is None:  # None: llama.cpp runs here
+            kinds += AUTO_GGML
     else:
         kinds = (weights,)
+    native = fallback_dtype(device)
     out = []
     for dt in dtypes:
         for w in kinds:
             if w == "int4" and dt == "float32" and "auto" in (dtype, weights):
                 continue  # the int4 kernel's float32 path is a slow reference: only on request
-            if w.startswith("ggml") and dtype == "auto" and dt != fallback_dtype(device):
+            if w.startswith("ggml") and dtype == "auto" and dt != native:
                 continue  # the dtype is only the draft head's there: the one this CPU runs natively
             out.append(execution_name(dt, w))
     return tuple(out)
-
-
-def ggml_unavailable() -> str | None:
-    """Why the llama.cpp backend (``weights="ggml"``) cannot run here, or None when it can."""
-    from adaptree.models.ggml import ggml_available
-
-    return ggml_available()
 
 
 def fallback_dtype(device: str | torch.device = "cpu") -> str:

@@ -122,24 +122,19 @@ class LlamaCppLoop:
                  n_ctx: int = 4096, threads: int | None = None) -> None:
         import numpy as np
 
-        from adaptree.models.ggml import libllama, requantized
+        from adaptree.models.ggml import LlamaModel, libllama, requantized
 
         ll = libllama().ll
         self.method, self.eos, self._ll, self._np = method, {int(t) for t in eos_token_ids}, ll, np
         quant = method.removeprefix("llama_cpp_loop").lstrip("_")
-        path = requantized(gguf_path, quant) if quant else Path(gguf_path)
-        mp = ll.llama_model_default_params()
-        mp.n_gpu_layers = 0
-        self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise ValueError(f"llama.cpp could not load {path}")
-        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+        self.model = LlamaModel(requantized(gguf_path, quant) if quant else gguf_path)
+        self.n_vocab = self.model.n_vocab
         threads = threads or torch.get_num_threads()
         cp = ll.llama_context_default_params()
         cp.n_ctx = cp.n_batch = n_ctx
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = True
-        self.ctx = ll.llama_init_from_model(self.model, cp)
+        self.ctx = ll.llama_init_from_model(self.model.ptr, cp)
         if not self.ctx:
             raise ValueError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.mem = ll.llama_get_memory(self.ctx)
@@ -174,8 +169,5 @@ class LlamaCppLoop:
     def __del__(self) -> None:
         ll = getattr(self, "_ll", None)
         if ll is not None and getattr(self, "ctx", None):
-            ll.llama_free(self.ctx)
+            ll.llama_free(self.ctx)  # before the model (``LlamaModel`` frees itself)
             self.ctx = None
-        if ll is not None and getattr(self, "model", None):
-            ll.llama_model_free(self.model)
-            self.model = None

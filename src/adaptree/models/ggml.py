@@ -121,21 +121,18 @@ def ggml_available() -> str | None:
     return None
 
 
-class _Model:
+class LlamaModel:
     """A loaded ``llama_model`` (weights mmapped from the file), freed with the last context using it."""
 
-    def __init__(self, path: Path) -> None:
-        lib = libllama()
-        ll = lib.ll
+    def __init__(self, path: str | Path) -> None:
+        ll = libllama().ll
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
         self.ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             raise GgmlUnavailable(f"libllama could not load {path}")
-        self.vocab_ptr = ll.llama_model_get_vocab(self.ptr)
-        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab_ptr)
+        self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr))
         self.n_embd = ll.llama_model_n_embd(self.ptr)
-        self.n_layer = ll.llama_model_n_layer(self.ptr)
         self._ll = ll
 
     def __del__(self) -> None:
@@ -173,8 +170,8 @@ class GgmlCache:
     after a context of a given length, whose contents do not matter); below, it rolls back."""
 
     def __init__(self, target: GgmlTarget, max_len: int) -> None:
-        lib = libllama()
-        ll = self._ll = lib.ll
+        self._lib = libllama()
+        ll = self._ll = self._lib.ll
         self.target, self.max_len = target, int(max_len)
         p = ll.llama_context_default_params()
         p.n_ctx = self.max_len
@@ -296,8 +293,8 @@ class GgmlCache:
     def run(self, tokens: list[int], pos: np.ndarray, tree_mask: torch.Tensor | None, rows: list[int],
             taps: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The forward of ``tokens`` at ``pos`` after the committed context (``tree_mask``: their ancestor mask,
-        None: causal): logits of ``rows`` (ascending) and the tapped features of every token."""
-        self._drop_tree()  # a forward over an uncommitted tree replaces it (the calibration's repeated shapes)
+        None: causal): logits of ``rows`` (ascending) and the tapped features of every token. The caller dropped an
+        uncommitted tree first (:meth:`GgmlTarget.forward`: the positions count from the committed length)."""
         pend, self._pending = self._pending, []
         p, t, base = len(pend), len(tokens), self._filled
         if tree_mask is None and not pend and len(rows) <= 1:  # a decode step or a prompt: one call, nothing to map
@@ -342,9 +339,8 @@ class GgmlCache:
         ``[T, 3 * hidden]`` (None: no features, the taps left as they are)."""
         ll, t = self._ll, len(tokens)
         if taps is not None and taps != self._taps:  # libllama plans its graphs anew: once per switch
-            lib = libllama()
             for lid in self.target.tap_layers:
-                lib.set_tap(self.ctx, lid, taps)
+                self._lib.set_tap(self.ctx, lid, taps)
             self._taps = taps
         b = self.batch
         b.n_tokens = t
@@ -372,8 +368,8 @@ class GgmlCache:
             logits = np.ctypeslib.as_array(ptr, shape=(len(rows), self.target.gguf.n_vocab)).copy()
         feats = None
         if taps:
-            lib, n_embd = libllama(), self.target.gguf.n_embd
-            feats = np.concatenate([np.ctypeslib.as_array(lib.get_tap(self.ctx, lid), shape=(t, n_embd))
+            n_embd = self.target.gguf.n_embd
+            feats = np.concatenate([np.ctypeslib.as_array(self._lib.get_tap(self.ctx, lid), shape=(t, n_embd))
                                     for lid in self.target.tap_layers], axis=1)
         return logits, feats
 
@@ -451,7 +447,7 @@ class GgmlTarget(nn.Module):
         super().__init__()
         self.path, self.config, self._dtype = Path(path), cfg, dtype
         self.threads = int(threads or torch.get_num_threads())
-        self.gguf = _Model(self.path)
+        self.gguf = LlamaModel(self.path)
         if self.gguf.n_vocab != cfg.vocab_size or self.gguf.n_embd != cfg.hidden_size:
             raise GgmlUnavailable(f"libllama reads {self.path} as vocabulary {self.gguf.n_vocab} x hidden "
                                   f"{self.gguf.n_embd}; adaptree reads {cfg.vocab_size} x {cfg.hidden_size}")

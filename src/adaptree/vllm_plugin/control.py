@@ -386,7 +386,6 @@ class HybridLength(CostAwareLength):
             self.chain_rates[bucket].observe(drafted, accepted)
 
 
-
 class StaticGridLength(FixedLength):
     """``static-gs`` on vLLM's terms: the fixed draft length a measured grid search found fastest, per batch size.
 
@@ -485,7 +484,6 @@ class StopRuleLength(CostAwareLength):
         # drafts past where every rule stopped would not be verified: draft one more than that, so a rule that lets
         # its whole chain through sees a longer one next step
         return ks, k if reach is None else min(k, reach + 1)
-
 
 
 class DeagleLength(StopRuleLength):
