@@ -1,5 +1,6 @@
 """The cost of a target forward of T rows on each backend side by side (docs/ggml.md): PyTorch's execution modes and
-llama.cpp's (the file's own types and its requantizations), interleaved round by round so that a shared machine's
+llama.cpp's (the file's own types and its requantizations; Q4_0 also with its weights in the small pages llama.cpp
+leaves them in, where the backend moves them to huge pages), interleaved round by round so that a shared machine's
 drift hits all alike. Writes backend_curves.json and backend_curves.md into the output folder.
 
     python scripts/backend_curves.py [OUT] [--model NAME] [--context 100] [--repeats 15]
@@ -17,7 +18,7 @@ import torch
 
 from adaptree.adapt.cache import machine_fields
 from adaptree.models import load_model
-from adaptree.models.ggml import ggml_available
+from adaptree.models.ggml import LlamaModel, ggml_available
 
 ROWS = (1, 2, 4, 8, 16, 32)
 
@@ -34,9 +35,13 @@ def main() -> None:
         modes += [("bfloat16", "ggml"), ("bfloat16", "ggml-q4_0"), ("bfloat16", "ggml-q8_0")]
     else:
         print(f"llama.cpp backend skipped: {ggml_available()}")
+    if ggml_available() is None:
+        modes.append(("bfloat16", "ggml-q4_0 small pages"))
     targets = {}
     for dtype, weights in modes:
-        target, _ = load_model(args.model, getattr(torch, dtype), weights=weights)
+        target, _ = load_model(args.model, getattr(torch, dtype), weights=weights.split()[0])
+        if weights.endswith("small pages"):  # the weights where llama.cpp leaves them (the backend collapses them)
+            target.gguf = LlamaModel(target.path, huge_pages=False)
         cache = target.new_cache(args.context + max(ROWS) + 1)
         target(torch.randint(0, target.config.vocab_size, (1, args.context)), cache=cache, logits_at=slice(-1, None))
         targets[f"{dtype}+{weights}"] = (target, cache)

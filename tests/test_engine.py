@@ -61,6 +61,30 @@ def test_ar_matches_uncached_reference(tiny_pair):
         assert res.tau == 1.0 and len(res.cycles) == 11 and res.stop_reason == "max_new_tokens"
 
 
+@pytest.mark.parametrize("was_on", [True, False])
+def test_the_cycle_collector_is_off_while_generating_and_left_as_it_was(tiny_pair, monkeypatch, was_on):
+    import gc
+
+    target, head = tiny_pair
+    eng = Engine(target, head)
+    seen = []
+    forward = target.forward
+
+    def record(*a, **k):
+        seen.append(gc.isenabled())
+        return forward(*a, **k)
+
+    monkeypatch.setattr(target, "forward", record)
+    (gc.enable if was_on else gc.disable)()
+    try:
+        eng.generate(PROMPTS[0], make_controller("ar"), max_new_tokens=4)
+        after = gc.isenabled()
+    finally:
+        gc.enable()
+    assert len(seen) == 4 and not any(seen)  # the prefill and three steps
+    assert after == was_on
+
+
 @pytest.mark.parametrize("cfg", [StaticConfig(), StaticConfig(width=3, depth=5, size=10), StaticConfig(1, 1, 1),
                                  StaticConfig(width=8, depth=12, size=200)])
 def test_static_greedy_equals_autoregressive(tiny_pair, cfg, caplog):

@@ -6,10 +6,11 @@ llama-cpp-python (``bash scripts/setup.sh`` builds it)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from adaptree.models.ggml import _tree_layout, ggml_available
+from adaptree.models.ggml import _anonymous_ranges, _loaded_ranges, _subtract, _tree_layout, ggml_available
 
 needs_ggml = pytest.mark.skipif(ggml_available() is not None, reason=str(ggml_available()))
 
@@ -46,6 +47,32 @@ def test_a_tree_runs_parents_first_with_a_sequence_per_leaf(parents):
     for j in range(t):  # node j is in leaf k's sequence iff it is an ancestor of (or is) that leaf
         assert seqs[j] == [k + 1 for k, leaf in enumerate(leaf_ids) if m[leaf, j]]
         assert leaf_of[j] == seqs[j][0]
+
+
+def test_subtracting_address_ranges_keeps_exactly_the_uncovered_bytes():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        pts = np.sort(rng.choice(200, 10, replace=False)).tolist()
+        old = [(pts[i], pts[i + 1]) for i in range(0, 10, 2)]
+        cut = np.sort(rng.choice(200, 4, replace=False)).tolist()
+        ranges = [(cut[0], cut[1]), (cut[2], cut[3])]
+        got = _subtract(ranges, old)
+        want = {x for a, b in ranges for x in range(a, b)} - {x for a, b in old for x in range(a, b)}
+        assert all(b > a for a, b in got)
+        assert sorted(x for a, b in got for x in range(a, b)) == sorted(want)
+
+
+@pytest.mark.skipif(not _anonymous_ranges(), reason="no /proc/self/maps")
+def test_memory_allocated_after_a_snapshot_is_among_the_ranges_to_collapse():
+    before = _anonymous_ranges()
+    block = np.ones(48 << 20, dtype=np.uint8)  # above glibc's largest mmap threshold: a mapping of its own
+    addr = block.ctypes.data
+    ranges = _loaded_ranges(before)
+    end = addr + block.nbytes  # one allocation can show as neighbouring mappings (numpy advises huge pages itself)
+    assert sum(max(0, min(b, end) - max(a, addr)) for a, b in ranges) == block.nbytes
+    heap = _anonymous_ranges(heap_only=True)
+    kept = [r for r in before if r in _anonymous_ranges() and r not in heap]  # mappings older than the snapshot
+    assert not any(a < y and x < b for a, b in _subtract(ranges, heap) for x, y in kept)
 
 
 def test_a_mask_over_more_than_the_new_tokens_is_refused():

@@ -4,7 +4,8 @@
 - ``llama_cpp_lookup``: its prompt-lookup decoding (``LlamaPromptLookupDecoding``: n-gram drafts copied from the
   context, 10 tokens);
 - ``llama_cpp_loop``: llama.cpp's own greedy loop through the low-level API (one ``llama_decode`` per token, argmax
-  of its logits; llama.cpp's default context settings), the bar for adaptree's ``ggml`` backend (docs/ggml.md);
+  of its logits; llama.cpp's default context settings, and its weights in the small pages llama.cpp leaves them
+  in where adaptree's backend moves them to huge ones), the bar for adaptree's ``ggml`` backend (docs/ggml.md);
   ``llama_cpp_loop_q4_0``: the same on the file requantized to Q4_0 by llama.cpp
   (:func:`adaptree.models.ggml.requantized`).
 
@@ -127,7 +128,8 @@ class LlamaCppLoop:
         ll = libllama().ll
         self.method, self.eos, self._ll, self._np = method, {int(t) for t in eos_token_ids}, ll, np
         quant = method.removeprefix("llama_cpp_loop").lstrip("_")
-        self.model = LlamaModel(requantized(gguf_path, quant) if quant else gguf_path)
+        # its weights in the pages llama.cpp leaves them in: the bar is llama.cpp as it runs for its own users
+        self.model = LlamaModel(requantized(gguf_path, quant) if quant else gguf_path, huge_pages=False)
         self.n_vocab = self.model.n_vocab
         threads = threads or torch.get_num_threads()
         cp = ll.llama_context_default_params()

@@ -16,8 +16,10 @@ one target forward yields one token, on the same model code and KV cache.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +39,21 @@ def synchronize(device: torch.device) -> None:
     the clock."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextmanager
+def gc_paused():
+    """Python's cycle collector off for the block (and back on after, if it was on): a generation's objects go by
+    reference counting, and a collection the allocations of a cycle trigger walks every object torch and the models
+    hold, 2.4% of a llama.cpp backend's decode time by ``perf`` on a 2-core EPYC. Cycles made meanwhile are
+    collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class Engine:
@@ -111,21 +128,22 @@ class Engine:
             self.draft_cache.reset()
         result = GenerationResult(prompt_len=n, token_ids=[], method=ctl.name)
 
-        synchronize(dev)
-        t_start = time.perf_counter()
-        src = self._models
-        root = src.prefill(prompt_ids, sampling, use_draft, dev)
-        tokens = result.token_ids
-        stop = emit(tokens, [root], max_new_tokens, self.eos)
-        if on_tokens:
-            on_tokens([root])
-        synchronize(dev)
-        result.prefill_s = time.perf_counter() - t_start
+        with gc_paused():
+            synchronize(dev)
+            t_start = time.perf_counter()
+            src = self._models
+            root = src.prefill(prompt_ids, sampling, use_draft, dev)
+            tokens = result.token_ids
+            stop = emit(tokens, [root], max_new_tokens, self.eos)
+            if on_tokens:
+                on_tokens([root])
+            synchronize(dev)
+            result.prefill_s = time.perf_counter() - t_start
 
-        stop = stop or run_cycles(src, ctl, prompt_ids, tokens, result.cycles, max_new_tokens, self.eos,
-                                  time.perf_counter, on_tokens)
-        synchronize(dev)
-        result.wall_time_s = time.perf_counter() - t_start
+            stop = stop or run_cycles(src, ctl, prompt_ids, tokens, result.cycles, max_new_tokens, self.eos,
+                                      time.perf_counter, on_tokens)
+            synchronize(dev)
+            result.wall_time_s = time.perf_counter() - t_start
         result.stop_reason = stop
         return result
 
