@@ -156,6 +156,7 @@ class LlamaCppLoop:
         stop = "max_new_tokens"
         t0 = time.perf_counter()
         tok = self._step(list(prompt_ids))
+        prefill = time.perf_counter() - t0
         while True:
             toks.append(tok)
             if tok in self.eos:
@@ -166,7 +167,7 @@ class LlamaCppLoop:
             tok = self._step([tok])
         wall = time.perf_counter() - t0
         return GenerationResult(prompt_len=len(prompt_ids), token_ids=toks, wall_time_s=wall, stop_reason=stop,
-                                method=self.method)
+                                method=self.method, prefill_s=prefill)
 
     def __del__(self) -> None:
         ll = getattr(self, "_ll", None)

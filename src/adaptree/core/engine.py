@@ -240,17 +240,22 @@ class _ModelSource(CycleSource):
         :meth:`verify` does for a tree of one node, without building one: on llama.cpp's kernels a step costs 5 ms
         and the tree's bookkeeping 0.3 of them."""
         t0 = time.perf_counter()
-        ids = torch.tensor([[self.root]], dtype=torch.long, device=self.dev)
-        out = self.steps.forward(ids, self.cache.length + torch.zeros(1, dtype=torch.long, device=self.dev), None) \
-            if self.steps else None
-        if out is None:
-            out = self.target(ids, cache=self.cache, features=self.use_draft)
-        bonus = int(greedy_tokens(out.logits[0, -1:])[0])
+        fast = getattr(self.target, "greedy_step", None)  # a backend's own step (llama.cpp's: no torch per token)
+        if fast is not None and not self.steps:
+            bonus, feats = fast(self.root, self.cache, self.use_draft)
+        else:
+            ids = torch.tensor([[self.root]], dtype=torch.long, device=self.dev)
+            out = self.steps.forward(ids, self.cache.length + torch.zeros(1, dtype=torch.long, device=self.dev),
+                                     None) if self.steps else None
+            if out is None:
+                out = self.target(ids, cache=self.cache, features=self.use_draft)
+            bonus = int(greedy_tokens(out.logits[0, -1:])[0])
+            # a captured step's output is its buffer's until the next step
+            feats = out.features[:, -1:].clone() if self.use_draft else None
         synchronize(self.dev)
         rec.verify_s = time.perf_counter() - t0
         if self.use_draft:
             nxt = torch.tensor([[bonus]], dtype=torch.long, device=self.dev)
-            feats = out.features[:, -1:].clone()  # a captured step's output is its buffer's until the next step
             self.pend_h.append(feats)
             self.pend_t.append(nxt)
         self.root = bonus
