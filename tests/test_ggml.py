@@ -54,6 +54,8 @@ def test_subtracting_address_ranges_keeps_exactly_the_uncovered_bytes():
     for _ in range(500):
         pts = np.sort(rng.choice(200, 10, replace=False)).tolist()
         old = [(pts[i], pts[i + 1]) for i in range(0, 10, 2)]
+        a, b = np.sort(rng.choice(200, 2, replace=False)).tolist()
+        old.append((a, b))  # one that may overlap the others (an old heap and the heap now)
         cut = np.sort(rng.choice(200, 4, replace=False)).tolist()
         ranges = [(cut[0], cut[1]), (cut[2], cut[3])]
         got = _subtract(ranges, old)

@@ -174,10 +174,17 @@ def _huge_pages(before: list[tuple[int, int]]) -> int:
 
 def _subtract(ranges: list[tuple[int, int]], old: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``ranges`` that no range of ``old`` covers (the kernel merges a new mapping into a neighbour,
-    so a new one can show as an old one grown at either end). Both are lists of disjoint ``(start, end)``."""
+    so a new one can show as an old one grown at either end). ``ranges`` are disjoint ``(start, end)``; ``old``
+    may overlap."""
     import bisect
 
-    old = sorted(old)
+    merged: list[tuple[int, int]] = []
+    for x, y in sorted(old):
+        if merged and x <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], y))
+        else:
+            merged.append((x, y))
+    old = merged
     starts = [x for x, _ in old]
     out = []
     for a, b in ranges:
