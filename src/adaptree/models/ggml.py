@@ -269,9 +269,12 @@ class GgmlCache:
         p.kv_unified = True  # a cell in several sequences: the shared context and the tree's inner nodes
         p.flash_attn_type = 1  # flash attention skips masked cells outright: holes and other paths add nothing
         p.no_perf = True
+        before = _anonymous_ranges()
         self.ctx = ll.llama_init_from_model(target.gguf.ptr, p)
         if not self.ctx:
             raise GgmlUnavailable(f"libllama could not create a context of {self.max_len} tokens")
+        self.huge_bytes = _huge_pages(before) if target.gguf.huge_bytes else 0
+        """Bytes of the context's buffers (the KV cells, the compute graph's) moved to huge pages, as the weights."""
         self._model = target.gguf  # the weights outlive this context
         self._taps = False
         """Whether libllama copies out the tapped layer inputs: only while forwards ask for features, because keeping
