@@ -32,11 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     modes = [("bfloat16", "int4"), ("bfloat16", "float")]
     if ggml_available() is None:
-        modes += [("bfloat16", "ggml"), ("bfloat16", "ggml-q4_0"), ("bfloat16", "ggml-q8_0")]
+        modes += [("bfloat16", "ggml"), ("bfloat16", "ggml-q4_0"), ("bfloat16", "ggml-q8_0"),
+                  ("bfloat16", "ggml-q4_0 small pages")]
     else:
         print(f"llama.cpp backend skipped: {ggml_available()}")
-    if ggml_available() is None:
-        modes.append(("bfloat16", "ggml-q4_0 small pages"))
     targets = {}
     for dtype, weights in modes:
         target, _ = load_model(args.model, getattr(torch, dtype), weights=weights.split()[0])

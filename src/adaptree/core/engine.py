@@ -158,6 +158,9 @@ class _ModelSource(CycleSource):
         self.target, self.head, self.max_len = engine.target, engine.head, engine.max_len
         self.cache, self.draft_cache = engine.cache, engine.draft_cache
         self.steps, self.draft_steps = engine.steps, engine.draft_steps
+        # a backend's own greedy step (llama.cpp's: no torch object per token), looked up once: on an nn.Module a
+        # missing attribute raises inside ``__getattr__``, which an AR cycle should not pay every token
+        self.greedy_step = None if self.steps else getattr(self.target, "greedy_step", None)
 
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingConfig, use_draft: bool, dev: torch.device) -> int:
         """Run the prompt through the target (caches reset); return the first token (the first root)."""
@@ -240,9 +243,8 @@ class _ModelSource(CycleSource):
         :meth:`verify` does for a tree of one node, without building one: on llama.cpp's kernels a step costs 5 ms
         and the tree's bookkeeping 0.3 of them."""
         t0 = time.perf_counter()
-        fast = getattr(self.target, "greedy_step", None)  # a backend's own step (llama.cpp's: no torch per token)
-        if fast is not None and not self.steps:
-            bonus, feats = fast(self.root, self.cache, self.use_draft)
+        if self.greedy_step is not None:
+            bonus, feats = self.greedy_step(self.root, self.cache, self.use_draft)
         else:
             ids = torch.tensor([[self.root]], dtype=torch.long, device=self.dev)
             out = self.steps.forward(ids, self.cache.length + torch.zeros(1, dtype=torch.long, device=self.dev),

@@ -405,12 +405,7 @@ class GgmlCache:
         if addr != self._row_addr:  # libllama moved its output buffer: a new view
             self._row = np.ctypeslib.as_array(ptr, shape=(self.target.gguf.n_vocab,))
             self._row_addr = addr
-        feats = None
-        if taps:
-            n_embd = self.target.gguf.n_embd
-            feats = np.concatenate([np.ctypeslib.as_array(self._lib.get_tap(self.ctx, lid), shape=(1, n_embd))
-                                    for lid in self.target.tap_layers], axis=1)
-        return self._row, feats
+        return self._row, self._tapped(1) if taps else None
 
     def run(self, tokens: list[int], pos: np.ndarray, tree_mask: torch.Tensor | None, rows: list[int],
             taps: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -488,12 +483,13 @@ class GgmlCache:
         if rows:
             ptr = ll.llama_get_logits(self.ctx)
             logits = np.ctypeslib.as_array(ptr, shape=(len(rows), self.target.gguf.n_vocab)).copy()
-        feats = None
-        if taps:
-            n_embd = self.target.gguf.n_embd
-            feats = np.concatenate([np.ctypeslib.as_array(self._lib.get_tap(self.ctx, lid), shape=(t, n_embd))
-                                    for lid in self.target.tap_layers], axis=1)
-        return logits, feats
+        return logits, self._tapped(t) if taps else None
+
+    def _tapped(self, t: int) -> np.ndarray:
+        """The tapped layer inputs of the last decode's ``t`` tokens side by side, ``[t, 3 * hidden]``."""
+        n_embd = self.target.gguf.n_embd
+        return np.concatenate([np.ctypeslib.as_array(self._lib.get_tap(self.ctx, lid), shape=(t, n_embd))
+                               for lid in self.target.tap_layers], axis=1)
 
 
 def _tree_layout(tree_mask: torch.Tensor) -> tuple[list[int], list[int], list[list[int]], list[int], int]:
