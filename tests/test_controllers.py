@@ -259,8 +259,8 @@ def test_make_controller_round_trip(method):
 
 
 def save_learned_policies(folder) -> dict[str, dict]:
-    """Untrained policies of RADAR (W 4), LTD (W 4, depth 10) and Re-SpS (H 32), saved under ``folder``: learned
-    method -> the options that load them."""
+    """Untrained policies of RADAR (W 4), LTD (W 4, depth 10), Re-SpS (H 32), SpecDec++ (hidden states of width 32) and
+    C2T, saved under ``folder``: learned method -> the options that load them."""
     from adaptree.methods.ltd.controller import LTD_SIZES, LTDObservation
     from adaptree.methods.radar.policy import RadarModelConfig, RadarPolicy
     from adaptree.methods.resps.controller import ReSpSState, resps_actions
@@ -274,8 +274,14 @@ def save_learned_policies(folder) -> dict[str, dict]:
         folder / "ltd-size")
     MLPPolicy(MLPPolicyConfig("resps", 96, [list(a) for a in resps_actions()], [8],
                               observation=ReSpSState(32).to_dict())).save(folder / "resps")
+    from adaptree.methods.c2t.controller import FEATURES
+    from adaptree.methods.common.classifier import AcceptanceClassifier, ClassifierConfig
+
+    AcceptanceClassifier(ClassifierConfig("specdec", inputs=32, hidden=8, blocks=1)).save(folder / "specdec")
+    AcceptanceClassifier(ClassifierConfig("c2t", inputs=3, features=FEATURES, hidden=8)).save(folder / "c2t")
     depth, size = str(folder / "ltd-depth"), str(folder / "ltd-size")
     return {"radar": dict(policy=str(folder / "radar"), width=4), "resps": dict(policy=str(folder / "resps")),
+            "specdec": dict(policy=str(folder / "specdec")), "c2t": dict(policy=str(folder / "c2t")),
             "ltd": dict(depth_policy=depth, size_policy=size, width=4), "ltd-depth": dict(depth_policy=depth, width=4),
             "ltd-size": dict(size_policy=size, width=4)}
 
@@ -304,6 +310,8 @@ def test_cli_flags_reach_every_method(tmp_path):
                          "--gammatune-rate", "0.5", "--tuned", str(tuned), "--radar-policy", str(tmp_path / "radar"),
                          "--ltd-depth-policy", str(tmp_path / "ltd-depth"),
                          "--ltd-size-policy", str(tmp_path / "ltd-size"), "--resps-policy", str(tmp_path / "resps"),
+                         "--specdec-policy", str(tmp_path / "specdec"), "--specdec-threshold", "0.3",
+                         "--c2t-policy", str(tmp_path / "c2t"),
                          "--hybrid-latency", str(tmp_path / "latency.json"), "--hybrid-acceptance",
                          str(tmp_path / "acceptance.json"), "--hybrid-chain", str(tmp_path / "chain.json"),
                          "--hybrid-max-n", "3", "--hybrid-chain-tokens", "9", "--ngram-min-n", "1",
@@ -329,6 +337,9 @@ def test_cli_flags_reach_every_method(tmp_path):
     assert built["ltd-depth"].size_policy is None and built["ltd-depth"].plan.size == 60
     assert built["ltd-size"].depth_policy is None and built["ltd-size"].plan.max_depth == 8
     assert built["resps"].config.interval == 30 and len(built["resps"].plans) == 177
+    assert built["specdec"].threshold == 0.3 and built["specdec"].plan.max_depth == 12
+    assert built["c2t"].threshold == 0.5 and built["c2t"].plan.size == 240 and built["c2t"].plan.max_depth == 8
+    assert built["c2t"].plan.width == built["specdec"].plan.width == 4
     ca = built["costaware"]
     assert (ca.config.width, ca.config.probe_every) == (4, 3) and ca.calibration.alpha == 0.6
     hy = built["hybrid"]

@@ -31,13 +31,15 @@ candidates for the default too; 4: ``setup.json`` lists the sha256 of the setup'
 5: the tuning traces carry the target features, so Re-SpS is modelled too. A setup of an older version is measured
 again."""
 TRACE_FEATURES = "float16"
-"""How the tuning traces store the target features (Re-SpS's state)."""
+"""How the tuning traces store the target features (Re-SpS's state) and the draft head's hidden states (SpecDec++'s
+input)."""
 SETUP_FILES = ("latency.json", "static_gs.json")
 """The files of a setup folder that ``setup.json`` lists with their sha256."""
 ADAPT_ENV = "ADAPTREE_ADAPT"
 """``ADAPTREE_ADAPT=0`` turns the automatic adaptation of :func:`adaptree.load` off (a cached setup is still used)."""
 
-CANDIDATES = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar", "resps", "ngram", "hybrid")
+CANDIDATES = ("ar", "static", "static-gs", "costaware", "deagle", "ltd", "radar", "resps", "ngram", "hybrid", "specdec",
+              "c2t")
 """Methods :func:`adapt` models on the traces; every one that can run here (its files exist, its widths are
 recorded) is a candidate for the default except ``static`` (EAGLE-3's default tree, the papers' baseline)."""
 
@@ -326,12 +328,13 @@ def _traces(pipeline: PipelineLike, cfg: AdaptConfig, folder: Path | None, promp
         store = TraceStore(folder)
         return Path(folder), store.load_all()
     if folder is None:
-        # "-f16": the traces carry the target features Re-SpS observes (older folders recorded none)
+        # the traces carry the target features Re-SpS observes and the draft hidden states SpecDec++ reads (older
+        # folders, without the "-hidden", recorded no hidden states; those before them no features either)
         folder = traces_dir() / (f"{model_fingerprint(pipeline.target)[:16]}-{head_fingerprint(pipeline.head)[:16]}"
-                                 f"-{TRACE_FEATURES}")
+                                 f"-{TRACE_FEATURES}-hidden")
     settings = TraceSettings(widths=(cfg.width,), max_depth=cfg.max_depth, max_new_tokens=cfg.max_new_tokens,
                              eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
-                             feature_dtype=TRACE_FEATURES)
+                             feature_dtype=TRACE_FEATURES, hidden_dtype=TRACE_FEATURES)
     keyed = prompt_ids if prompt_ids is not None else tuning_prompt_ids(pipeline, cfg.prompts)
     with measure_lock(Path(folder)):
         store = open_store_for(folder, pipeline.target, pipeline.head, settings)

@@ -26,7 +26,7 @@ from adaptree.cli.common import (
 def _trace_flags() -> ConfigFlags:
     from adaptree.offline.traces import TraceSettings
 
-    return ConfigFlags(TraceSettings, only=("widths", "max_depth", "max_new_tokens", "feature_dtype"),
+    return ConfigFlags(TraceSettings, only=("widths", "max_depth", "max_new_tokens", "feature_dtype", "hidden_dtype"),
                        rename={"widths": "width"})
 
 

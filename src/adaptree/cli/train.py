@@ -1,4 +1,5 @@
-"""``adaptree train ltd``, ``train resps`` and ``train radar``: the learned controllers' trainers."""
+"""``adaptree train ltd``, ``train resps``, ``train radar``, ``train specdec`` and ``train c2t``: the learned
+controllers' trainers."""
 
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def _resps_flags() -> ConfigFlags:
 
 RESPS_PROMPTS = {"train_code": 0, "train_chat": 64}
 """Re-SpS trains on ShareGPT (LTD on HumanEval and ShareGPT alike)."""
+
+CLASSIFIER_PROMPTS = {"train_code": 32, "train_chat": 0}
+"""SpecDec++ and C2T train on drafts of HumanEval (LTD Appendix A.1)."""
+
+CLASSIFIERS = {"specdec": "SpecDec++: a ResNet on the draft head's hidden states that stops drafting when a rejection "
+                          "gets likely (5 epochs)",
+               "c2t": "C2T: an FFN on each candidate's probability and depth that sizes the verified tree (50 epochs)"}
+
+
+def _classifier_flags(kind: str) -> ConfigFlags:
+    import importlib
+
+    from adaptree.methods.common.classifier import ClassifierTrainConfig
+
+    default = importlib.import_module(f"adaptree.methods.{kind}.controller").DEFAULT_TRAINING
+    return ConfigFlags(ClassifierTrainConfig, defaults={"out": default.out, "epochs": default.epochs})
 
 
 def add_latency_arg(p, needed: str = "") -> None:
@@ -89,6 +106,16 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train_resps)
 
     radar.add_train_args(tsub.add_parser("radar", help=f"RADAR: {radar.TRAIN_HELP} (= `adaptree radar train`)"))
+
+    for kind, text in CLASSIFIERS.items():
+        p = tsub.add_parser(kind, help=f"{text}; supervised on balanced samples of the default EAGLE-3 tree's drafts "
+                                       f"in greedy traces (recorded with the draft hidden states into --traces, "
+                                       f"default OUT/traces; resumable), exported to OUT/policy")
+        add_model_args(p, adapt=False)
+        _prompt_flags(**CLASSIFIER_PROMPTS).add(p.add_argument_group("training prompts"))
+        _classifier_flags(kind).add(p.add_argument_group("training"))
+        add_output_args(p, json_help="print the summary as JSON")
+        p.set_defaults(func=cmd_train_classifier, classifier=kind)
 
 
 MACHINE_LTD = {"iter_steps": 12_000, "iterations": 2, "eval_every": 2}
@@ -205,4 +232,24 @@ def cmd_train_resps(args) -> int:
           f"({'live engine' if args.live else 'simulator'} training)")
     print(format_table(s))
     print(f"summary: {cfg.out}/summary.json, {cfg.out}/summary.md; log: {cfg.out}/log.csv")
+    return 0
+
+
+def cmd_train_classifier(args) -> int:
+    import importlib
+
+    kind = args.classifier
+    cfg = _classifier_flags(kind).build(args)
+    prompts = _prompt_flags(**CLASSIFIER_PROMPTS).build(args)
+    module = importlib.import_module(f"adaptree.methods.{kind}.controller")
+    s = getattr(module, f"train_{kind}_for")(common.load_pipeline(args), cfg, prompts, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    last = s["history"][-1]
+    print(f"{kind}: {s['samples']} balanced training samples from {s['train_prompts']} prompts; validation on "
+          f"{s['validation_prompts']} prompts ({s['validation_samples']} samples, "
+          f"{s['validation_accepted_share'] or 0:.1%} accepted)")
+    print(" ".join(f"{k} {v:.4f}" for k, v in last.items() if k != "epoch"))
+    print(f"classifier: {s['export']} (copy it to HEAD/{kind} to ship it); summary: {cfg.out}/summary.json")
     return 0

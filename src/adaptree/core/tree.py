@@ -201,6 +201,11 @@ class DraftTree:
         return DraftStep(self.depth, self.width, self.context_len, self.beam_tokens, self.beam_scores,
                          child, self, self.level_logp, self.beam_rows)
 
+    def best_hidden(self) -> torch.Tensor:
+        """``[H]`` the head's output hidden state whose distribution drafted the best node of the current beam (at
+        depth 1: the root's): what a classifier on the draft's hidden states reads (SpecDec++)."""
+        return self.beam_hidden[0]
+
     def discard(self) -> None:
         """Drop the tree's throw-away KV entries, keeping the committed context."""
         self.cache.truncate(self.committed)

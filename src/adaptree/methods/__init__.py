@@ -12,6 +12,8 @@
 - :mod:`.ltd`: LTD (controller and observation, environments, PPO trainer)
 - :mod:`.radar`: RADAR (controller, LSTM policy, acceptance-distribution dataset, REINFORCE trainer)
 - :mod:`.resps`: Re-SpS (controller and state, environment, PPO trainer)
+- :mod:`.specdec`, :mod:`.c2t`: the classifier baselines of LTD's comparison (SpecDec++ stops drafting, C2T sizes the
+  verified tree; both trained by supervised learning from traces, :mod:`.common.classifier`)
 - :mod:`.common`: what the learned methods share (their runtime settings and hooks, the AR fallback) and the
   context-chain seam they share with the hybrid
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from adaptree.core.controller import (AutoregressiveController, Controller, CycleContext, StaticConfig,
                                       StaticController, TreePlan)
+from adaptree.methods.c2t.controller import C2TConfig, C2TController
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController
 from adaptree.methods.draft_model import DraftModelConfig, DraftModelController
 from adaptree.methods.ltd.controller import LTDConfig, LTDController, LTDDepthConfig, LTDSizeConfig
@@ -41,6 +44,7 @@ from adaptree.methods.rules.ddd import DDDConfig, DDDController
 from adaptree.methods.rules.deagle import DeagleConfig, DeagleController
 from adaptree.methods.rules.gammatune import GammatuneConfig, GammatuneController
 from adaptree.methods.rules.svip import SVIPConfig, SVIPController
+from adaptree.methods.specdec.controller import SpecDecConfig, SpecDecController
 from adaptree.methods.static.gs import StaticGSConfig, StaticGSController
 
 __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController", "StaticConfig",
@@ -49,6 +53,7 @@ __all__ = ["Controller", "CycleContext", "TreePlan", "AutoregressiveController",
            "RadarConfig", "RadarController", "LTDConfig", "LTDDepthConfig", "LTDSizeConfig", "LTDController",
            "ReSpSConfig", "ReSpSController", "CostAwareConfig", "CostAwareController", "NgramConfig",
            "NgramController", "DraftModelConfig", "DraftModelController", "HybridConfig", "HybridController",
+           "SpecDecConfig", "SpecDecController", "C2TConfig", "C2TController",
            "Asset", "Method", "REGISTRY", "METHODS", "LEARNED", "CONFIGS",
            "MissingAssetError", "make_controller", "resolve_assets", "controller_factories", "HEAD_DEFAULTS"]
 
@@ -179,6 +184,15 @@ _RADAR_ASSET = Asset("policy", "radar", "a RADAR policy", "--radar-policy",
                      "DATA --out RUN, then copy RUN/policy to HEAD/radar")
 _RESPS_ASSET = Asset("policy", "resps", "a Re-SpS policy", "--resps-policy",
                      "adaptree train resps --model MODEL --draft HEAD --out RUN, then copy RUN/policy to HEAD/resps")
+
+
+def _classifier_asset(name: str, what: str) -> Asset:
+    return Asset("policy", name, what, f"--{name}-policy", f"adaptree train {name} --model MODEL --draft HEAD --out RUN, "
+                 f"then copy RUN/policy to HEAD/{name}")
+
+
+_SPECDEC_ASSET = _classifier_asset("specdec", "a SpecDec++ classifier")
+_C2T_ASSET = _classifier_asset("c2t", "a C2T classifier")
 _TUNED_ASSET = Asset("tuned", "static_gs.json", "a tuned static tree", "--tuned",
                      "adaptree tune-static --model MODEL --draft HEAD --out RUN, then copy RUN/static_gs.json to HEAD/")
 
@@ -209,6 +223,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            machine_options=("latency", "size_policy", "chain", "tuned")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
            machine_options=("latency", "chain", "tuned")),
+    Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,), machine_options=("latency", "chain")),
+    Method("c2t", C2TConfig, C2TController, (_C2T_ASSET,), machine_options=("latency", "chain")),
 )}
 """Method name -> registry entry, in the order the docs list them."""
 

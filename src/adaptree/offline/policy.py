@@ -48,15 +48,15 @@ def load_strict(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) 
 
 
 def save_policy(folder: str | os.PathLike, model: nn.Module, config: dict, training: dict | None = None,
-                sort_keys: bool = False) -> Path:
+                sort_keys: bool = False, dtype: torch.dtype = torch.float32) -> Path:
     """Write a policy folder: ``config.json`` (``config``, plus ``training`` facts under ``training``) and
-    ``model.safetensors`` (the state dict in float32), each atomically."""
+    ``model.safetensors`` (the state dict in ``dtype``; loading casts it to the module's), each atomically."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(config)
     if training:
         cfg["training"] = training
-    save_tensors({k: v.float() for k, v in model.state_dict().items()}, folder / WEIGHTS_NAME,
+    save_tensors({k: v.to(dtype) for k, v in model.state_dict().items()}, folder / WEIGHTS_NAME,
                  metadata={"format": "pt"})
     write_json(cfg, folder / CONFIG_NAME, sort_keys=sort_keys)
     return folder

@@ -48,7 +48,7 @@ def require_head(pipeline, what: str) -> None:
 
 def record_prompts(pipeline, folder: str | os.PathLike, prompts: Sequence[Prompt], *,
                    widths: Sequence[int] = (10,), max_depth: int = 12, max_new_tokens: int = 256,
-                   feature_dtype: str = "float16", chat: bool | None = None,
+                   feature_dtype: str = "float16", chat: bool | None = None, hidden_dtype: str = "none",
                    progress: bool = True) -> tuple[TraceStore, dict]:
     """Record the greedy trace of every prompt's first user turn into ``folder`` (keys ``dataset/id``; prompts
     already there are skipped). Returns the store and the counts (``recorded``, ``skipped``).
@@ -59,7 +59,8 @@ def record_prompts(pipeline, folder: str | os.PathLike, prompts: Sequence[Prompt
     chat = pipeline.use_chat(chat)
     settings = TraceSettings(widths=tuple(widths), max_depth=max_depth, max_new_tokens=max_new_tokens,
                              eos_token_ids=tuple(pipeline.tokenizer.eos_token_ids), max_seq_len=pipeline.max_seq_len,
-                             feature_dtype=feature_dtype, extra=encoding_extra(pipeline, chat))
+                             feature_dtype=feature_dtype, hidden_dtype=hidden_dtype,
+                             extra=encoding_extra(pipeline, chat))
     store = open_store_for(folder, pipeline.target, pipeline.head, settings)
     keyed = [(f"{p.dataset}/{p.id}", pipeline.encode(p.turns[0], chat)) for p in prompts]
     counts = store.record(pipeline.target, pipeline.head, keyed, progress=progress)
@@ -96,24 +97,25 @@ class TrainingPrompts:
 
 def training_traces(pipeline, folder: str | os.PathLike, prompts: Sequence[Prompt], max_new_tokens: int,
                     widths: Sequence[int] = (10,), max_depth: int = 12, feature_dtype: str = "none",
-                    progress: bool = True) -> list[PromptTrace]:
+                    progress: bool = True, hidden_dtype: str = "none") -> list[PromptTrace]:
     """The greedy traces of the policy-training ``prompts``, recorded into ``folder`` if not there yet (with the
     chat template when the model has one); returns them loaded."""
     require_head(pipeline, "training a policy")
     keys = {f"{p.dataset}/{p.id}" for p in prompts}
-    found = sufficient_traces(pipeline, folder, keys, widths, max_depth, max_new_tokens, feature_dtype)
+    found = sufficient_traces(pipeline, folder, keys, widths, max_depth, max_new_tokens, feature_dtype, hidden_dtype)
     if found is not None:
         return found
     store, _ = record_prompts(pipeline, folder, prompts, widths=widths, max_depth=max_depth,
-                              max_new_tokens=max_new_tokens, feature_dtype=feature_dtype, progress=progress)
+                              max_new_tokens=max_new_tokens, feature_dtype=feature_dtype, hidden_dtype=hidden_dtype,
+                              progress=progress)
     return [t for t in store.load_all() if t.key in keys]
 
 
 def sufficient_traces(pipeline, folder: str | os.PathLike, keys: set[str], widths: Sequence[int], max_depth: int,
-                      max_new_tokens: int, feature_dtype: str) -> list[PromptTrace] | None:
+                      max_new_tokens: int, feature_dtype: str, hidden_dtype: str = "none") -> list[PromptTrace] | None:
     """The traces of ``keys`` in ``folder`` when it already holds every one of them, recorded for this model and head
     with at least what a trainer asks for (its widths, ``max_depth`` levels or more, the same token limit, target
-    features when it needs them): one folder then serves every trainer (LTD's traces need no features, Re-SpS's do).
+    features and draft hidden states when it needs them): one folder then serves every trainer (LTD's traces need no features, Re-SpS's do).
     None when it does not (the caller records into it, which refuses settings that differ)."""
     from adaptree.offline.store import head_fingerprint, model_fingerprint
 
@@ -123,7 +125,8 @@ def sufficient_traces(pipeline, folder: str | os.PathLike, keys: set[str], width
     s, fps = store.settings, store.fingerprints
     if (fps.get("model") != model_fingerprint(pipeline.target) or fps.get("head") != head_fingerprint(pipeline.head)
             or not set(widths) <= set(s.widths) or s.max_depth < max_depth or s.max_new_tokens != max_new_tokens
-            or (feature_dtype != "none" and s.feature_dtype == "none")):
+            or (feature_dtype != "none" and s.feature_dtype == "none")
+            or (hidden_dtype != "none" and s.hidden_dtype == "none")):
         return None
     traces = [t for t in store.load_all() if t.key in keys]
     return traces if {t.key for t in traces} == set(keys) else None

@@ -101,6 +101,12 @@ class ReplayTree(DraftTree):
     def discard(self) -> None:  # noqa: D102
         pass
 
+    def best_hidden(self) -> torch.Tensor:  # noqa: D102
+        if self._wt.hidden is None:
+            raise ValueError("this trace holds no draft hidden states (a SpecDec++ replay needs them): record traces "
+                             "with hidden_dtype float16 (`adaptree traces record --hidden-dtype float16`)")
+        return torch.from_numpy(self._wt.hidden[self._pos, self.depth - 1].astype(np.float32))
+
     def _all(self):
         if self._cat is None:
             tokens, scores, parents, depths = self._row

@@ -71,9 +71,14 @@ class StoreSettings:
     """Mixin for the frozen settings dataclass pinned in a store: a JSON round trip (tuples are JSON
     lists; the free-form ``extra`` pairs a JSON object) and a sha256 :meth:`fingerprint` of it."""
 
+    added: ClassVar[Mapping[str, Any]] = {}
+    """Fields added after the format's first settings, with their defaults: left out of :meth:`to_dict` (so of the
+    fingerprint) at their default, so that folders recorded before them keep their fingerprints."""
+
     def to_dict(self) -> dict:
         d = asdict(self)  # type: ignore[call-overload]
-        return {k: dict(v) if k == "extra" else list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {k: dict(v) if k == "extra" else list(v) if isinstance(v, tuple) else v for k, v in d.items()
+                if k not in self.added or v != self.added[k]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):

@@ -30,7 +30,9 @@ the emitted length. Tensors: ``prompt`` int32 [n], ``output`` int32 [M], ``featu
 (absent with ``feature_dtype="none"``), and per width ``w{W}.tokens`` int32 [end, C],
 ``w{W}.scores`` float32 [end, C], ``w{W}.beam`` int16 [end, max_depth, W], ``w{W}.entropy`` float32
 [end, max_depth, W] (per-row draft entropies, where the tree code exposes them) with
-C = W + (max_depth - 1) * W * W. A :class:`TraceStore` is a folder of such files plus
+C = W + (max_depth - 1) * W * W, and with ``hidden_dtype`` other than ``none``, ``w{W}.hidden`` [end, max_depth, H]:
+the draft head's output hidden state that drafted each level's best beam node (what SpecDec++'s classifier reads,
+:meth:`~adaptree.core.tree.DraftTree.best_hidden`). A :class:`TraceStore` is a folder of such files plus
 ``manifest.json`` (a :class:`~adaptree.offline.store.FingerprintedStore`); recording into it resumes and
 refuses a different model, head or settings.
 """
@@ -41,6 +43,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -85,8 +88,12 @@ class TraceSettings(StoreSettings):
     """The engine's context limit; None = the target's."""
     feature_dtype: str = choice(FEATURE_DTYPES, "float16")
     """Stored target features: float16, float32 (exact replay of feature-based controllers) or none."""
+    hidden_dtype: str = choice(FEATURE_DTYPES, "none")
+    """Stored draft-head hidden state of every level's best beam node (SpecDec++): float16, float32 or none."""
     extra: tuple[tuple[str, str], ...] = ()
     """Free-form settings that must match on resume (tokenizer, chat template, dataset...)."""
+
+    added: ClassVar[dict] = {"hidden_dtype": "none"}
 
     def __post_init__(self) -> None:
         widths = tuple(int(w) for w in self.widths)
@@ -138,6 +145,9 @@ class WidthTrace:
     """``[J, max_depth, W]`` float32 entropy (nats) of each distribution a level's draft forward produced
     (row r of level d = the distribution of ``child_scores`` row r; level 1 has one row, the rest NaN);
     None when the tree code exposes no ``DraftStep.entropy``."""
+    hidden: np.ndarray | None = None
+    """``[J, max_depth, H]`` the draft head's output hidden state that drafted each level's best beam node (the
+    row of ``child_scores`` it came from), float16 or float32; None unless recorded (``hidden_dtype``)."""
     _torch: tuple | None = field(default=None, repr=False)
     _tables: dict = field(default_factory=dict, repr=False)
     """:func:`acceptance_table` of every root position per (depth, positions): they do not depend on the machine, so
@@ -320,7 +330,7 @@ def accepted_length(wt: WidthTrace, output: np.ndarray, position: int, depth: in
 
 @torch.inference_mode()
 def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end: int, width: int, max_depth: int,
-               batch: int = 16) -> WidthTrace:
+               batch: int = 16, hidden_dtype: str = "none") -> WidthTrace:
     """The draft trees of width ``width`` at roots ``y_0 .. y_{end-1}``, ``batch`` consecutive roots per head forward.
 
     Root ``j`` (context ``ctx = n + j``) is what :class:`~adaptree.core.tree.DraftTree` grows after consuming the
@@ -330,7 +340,8 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
     forward over the ``batch * W`` beam nodes, a node seeing its root's pairs and its own ancestors. The
     expansion rule is DraftTree's (top-W children per row, cumulative log-probs, the level's global
     top-W as the next beam), applied row-wise per root; tests/test_traces.py checks the trees against
-    the live engine's. ``cache`` must hold the pairs ``t < n - 1`` and room for a chunk's tree.
+    the live engine's. ``cache`` must hold the pairs ``t < n - 1`` and room for a chunk's tree. ``hidden_dtype``
+    other than ``none`` also keeps each level's best beam node's drafting hidden state (:attr:`WidthTrace.hidden`).
     """
     w, dev = width, feats.device
     c = num_candidates(w, max_depth)
@@ -338,6 +349,8 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
     scores = np.zeros((end, c), np.float32)
     beam = np.zeros((end, max_depth, w), np.int16)
     entropy = np.full((end, max_depth, w), np.nan, np.float32)
+    keep = FEATURE_DTYPES[hidden_dtype]
+    hidden = None  # allocated at the first forward (its width is the head's output's)
 
     def expand(logits, parent_scores):  # logits [R, vocab], parent_scores [R] -> per-row top-W children
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -369,6 +382,11 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
             entropy[sl, d - 1, :ent.numel() // b] = ent.reshape(b, -1).cpu().numpy()
             beam_scores, beam_pos = flat.topk(w, dim=-1)  # [b, W] positions within the level
             beam[sl, d - 1] = beam_pos.cpu().numpy()
+            if keep is not None:  # the row whose distribution drafted the best beam node (level 1: the root's)
+                if hidden is None:
+                    hidden = np.zeros((end, max_depth, out_h.shape[-1]), keep)
+                best_row = torch.div(beam_pos[:, 0], w, rounding_mode="floor") + rows_of[:, 0]
+                hidden[sl, d - 1] = (out_h[0] if d == 1 else out_h[0, best_row]).float().cpu().numpy()
             if d == max_depth:
                 break
             rows = (torch.div(beam_pos, w, rounding_mode="floor") + (rows_of if d > 1 else 0)).reshape(-1)
@@ -380,7 +398,7 @@ def grow_trees(head, cache, feats: torch.Tensor, seq: torch.Tensor, n: int, end:
             pos = (base_pos + d).repeat_interleave(w)
             out_h, logits = head(beam_hidden[None], beam_tokens, position_ids=pos, cache=cache, tree_mask=mask)
             child, tok, ent = expand(logits[0], beam_scores.reshape(-1))  # [b*W, W]
-    return WidthTrace(w, max_depth, tokens, scores, beam, entropy)
+    return WidthTrace(w, max_depth, tokens, scores, beam, entropy, hidden)
 
 
 @torch.inference_mode()
@@ -434,7 +452,7 @@ def record_trace(target, head, prompt_ids: Sequence[int], max_new_tokens: int = 
     cache = head.new_cache(max_len + batch * (1 + (s.max_depth - 1) * width_max))
     if n > 1:
         head(feats[:, :n - 1], seq[:, 1:n], cache=cache, logits_at=slice(-1, None))
-    widths = {w: grow_trees(head, cache, feats, seq, n, end, w, s.max_depth, batch) for w in s.widths}
+    widths = {w: grow_trees(head, cache, feats, seq, n, end, w, s.max_depth, batch, s.hidden_dtype) for w in s.widths}
     np_dtype = FEATURE_DTYPES[s.feature_dtype]
     features = None
     info = {"full_forward_mismatches": mismatches, "total_len": total}
@@ -468,6 +486,8 @@ def trace_arrays(trace: PromptTrace) -> dict[str, np.ndarray]:
         tensors[f"w{w}.beam"] = wt.beam.astype(np.int16)
         if wt.entropy is not None:
             tensors[f"w{w}.entropy"] = wt.entropy.astype(np.float32)
+        if wt.hidden is not None:
+            tensors[f"w{w}.hidden"] = wt.hidden
     return tensors
 
 
@@ -482,7 +502,7 @@ def load_trace(path: str | os.PathLike, expect: dict[str, str] | None = None) ->
     header, arrays = read_record(path, TRACE_FORMAT, expect)
     s = TraceSettings.from_dict(header["settings"])
     widths = {w: WidthTrace(w, s.max_depth, arrays[f"w{w}.tokens"], arrays[f"w{w}.scores"], arrays[f"w{w}.beam"],
-                            arrays.get(f"w{w}.entropy")) for w in s.widths}
+                            arrays.get(f"w{w}.entropy"), arrays.get(f"w{w}.hidden")) for w in s.widths}
     return PromptTrace(key=header["key"], prompt=arrays["prompt"], output=arrays["output"], end=header["end"],
                        stop_reason=header["stop_reason"], max_len=header["max_len"], settings=s, widths=widths,
                        features=arrays.get("features"), fingerprints=header["fingerprints"], info=header.get("info", {}))

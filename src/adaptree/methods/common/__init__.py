@@ -8,6 +8,8 @@
 - :mod:`.ar_gate`: :class:`ARGate` (AR steps while the policies' trees do not pay on this machine)
 - :mod:`.machine_tree`: :class:`MachineTree` (the machine's best static tree and best V per depth, as policy inputs
   and as the scale of relative size actions)
+- :mod:`.classifier`: the acceptance classifier SpecDec++ and C2T run (its file format, samples from traces, the
+  supervised trainer); imported by those methods, not here
 """
 
 from adaptree.methods.common.ar_gate import ARGate
