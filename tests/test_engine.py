@@ -333,3 +333,46 @@ def test_host_reads_per_cycle(tiny_pair):
         assert reads.accelerator <= len(res.cycles) + 1, (ctl.name, reads.top(5))  # + the prefill's first token
     with pytest.raises(ValueError, match="cycles must be >= 1"):
         reads.per_cycle(0)
+
+
+class FeatureLog(RandomSchedule):
+    """RandomSchedule that keeps every cycle's CycleContext.features."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.seen = []
+
+    def begin_cycle(self, ctx):
+        self.seen.append(ctx.features.clone())
+        return super().begin_cycle(ctx)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_backends_greedy_step_feeds_the_head_what_the_forward_does(tiny_pair, seed):
+    """A target with its own greedy step (llama.cpp's returns numpy features and an id, kept so until the head drafts)
+    runs every schedule of AR steps and trees exactly as the plain forward path: the same tokens, cycles and
+    controller features."""
+    import types
+
+    target, head = tiny_pair
+    calls = []
+
+    def greedy_step(self, token, cache, features):
+        calls.append(token)
+        out = self(torch.tensor([[token]]), cache=cache, features=features)
+        return int(out.logits[0, -1].argmax()), (out.features[0, -1:].numpy().copy() if features else None)
+
+    stepped = tiny_target()
+    stepped.load_state_dict(target.state_dict())
+    stepped.greedy_step = types.MethodType(greedy_step, stepped)
+    runs = []
+    for t in (target, stepped):
+        ctl = FeatureLog(seed)
+        res = Engine(t, head).generate(PROMPTS[3], ctl, max_new_tokens=40)
+        runs.append((res, ctl.seen))
+    (plain, f_plain), (fast, f_fast) = runs
+    assert fast.token_ids == plain.token_ids
+    assert [(c.depth, c.size, c.accepted) for c in fast.cycles] == [(c.depth, c.size, c.accepted) for c in plain.cycles]
+    assert sum(c.depth == 0 for c in plain.cycles) >= 3 and sum(c.depth > 0 for c in plain.cycles) >= 3
+    assert len(calls) == sum(c.depth == 0 for c in fast.cycles)  # every AR step took the backend's step
+    assert all(torch.equal(a, b) for a, b in zip(f_plain, f_fast)) and len(f_plain) == len(f_fast)

@@ -58,9 +58,10 @@ class CycleSource:
         """Tokens committed in the target's context (before the next cycle's root)."""
         raise NotImplementedError
 
-    def start_cycle(self) -> torch.Tensor | None:
+    def start_cycle(self, features: bool = True) -> torch.Tensor | None:
         """A cycle begins at the current position: the target features of the last accepted position
-        ``[3*hidden]`` for :attr:`CycleContext.features` (None when the draft head is not used)."""
+        ``[3*hidden]`` for :attr:`CycleContext.features` (None when the draft head is not used, or not ``features``:
+        the controller does not read them)."""
         raise NotImplementedError
 
     def draft(self, width: int, rec: CycleRecord) -> DraftStep:
@@ -108,7 +109,7 @@ def run_cycles(src: CycleSource, ctl: Controller, prompt_ids: Sequence[int], tok
         t_cycle = clock()
         rec = CycleRecord(cycle=len(cycles), context_len=L, width=0, depth=0, size=0, candidates=0, accepted=0,
                           emitted=0)
-        features = src.start_cycle()
+        features = src.start_cycle(ctl.reads_features)
         t0 = clock()
         if index is not None:  # the index's upkeep counts as the controller's time
             index.sync(prompt_ids, tokens)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from adaptree.core.controller import AutoregressiveController, Controller
@@ -174,18 +175,44 @@ class _ModelSource(CycleSource):
         # (AR-like plans) then appends in O(1) per cycle instead of copying everything pending each time
         self.pend_h = [out.features] if use_draft else []
         self.pend_t = [torch.cat([prompt[:, 1:], prompt.new_tensor([[root]])], dim=1)] if use_draft else []
+        self.feature_dtype = out.features.dtype if use_draft else None
         return root
 
     def context_len(self) -> int:
         return self.cache.length
 
-    def start_cycle(self) -> torch.Tensor | None:
-        return self.pend_h[-1][0, -1] if self.use_draft else None
+    def start_cycle(self, features: bool = True) -> torch.Tensor | None:
+        if not (self.use_draft and features):
+            return None
+        last = self.pend_h[-1]
+        if isinstance(last, np.ndarray):  # an AR step's features, kept as the backend gave them (see _step)
+            return torch.from_numpy(last[-1]).to(self.feature_dtype)
+        return last[0, -1]
+
+    def _pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft inputs not consumed yet as ``[1, P, 3H]`` features and ``[1, P]`` tokens: the pieces joined, the
+        AR steps' numpy rows and token ids (a backend's greedy step) made tensors here, one per run of them."""
+        hs: list = []
+        ts: list = []
+        for h, t in zip(self.pend_h, self.pend_t):
+            if not isinstance(h, np.ndarray):
+                hs.append(h)
+                ts.append(t)
+            elif hs and isinstance(hs[-1], list):
+                hs[-1].append(h)
+                ts[-1].append(t)
+            else:
+                hs.append([h])
+                ts.append([t])
+        hs = [torch.from_numpy(np.concatenate(h))[None].to(self.dev, self.feature_dtype) if isinstance(h, list) else h
+              for h in hs]
+        ts = [torch.tensor([t], dtype=torch.long, device=self.dev) if isinstance(t, list) else t for t in ts]
+        return tuple(torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in (hs, ts))
 
     def draft(self, width: int, rec: CycleRecord) -> DraftStep:
         t0 = time.perf_counter()
         tree = DraftTree(self.head, self.draft_cache, width, self.root, self.cache.length, self.draft_steps)
-        h, t = (torch.cat(x, dim=1) if len(x) > 1 else x[0] for x in (self.pend_h, self.pend_t))
+        h, t = self._pending()
         step = tree.first_step(h, t)
         self.pend_h, self.pend_t = [], []
         synchronize(self.dev)
@@ -241,10 +268,12 @@ class _ModelSource(CycleSource):
     def _step(self, rec: CycleRecord) -> tuple[int, list[int]]:
         """A greedy cycle of the root alone (AR, or a plan that drafted nothing): one decode step, its argmax. What
         :meth:`verify` does for a tree of one node, without building one: on llama.cpp's kernels a step costs 5 ms
-        and the tree's bookkeeping 0.3 of them."""
+        and the tree's bookkeeping 0.3 of them. On a backend's greedy step the draft inputs stay numpy rows and ids
+        until the head drafts: a tree method's AR steps (its AR fallback) then make no torch object either."""
         t0 = time.perf_counter()
-        if self.greedy_step is not None:
+        if self.greedy_step is not None:  # a backend's own step (llama.cpp's: on the CPU, nothing to synchronize)
             bonus, feats = self.greedy_step(self.root, self.cache, self.use_draft)
+            nxt = bonus  # numpy features and an id, made tensors only when the head drafts (_pending)
         else:
             ids = torch.tensor([[self.root]], dtype=torch.long, device=self.dev)
             out = self.steps.forward(ids, self.cache.length + torch.zeros(1, dtype=torch.long, device=self.dev),
@@ -254,10 +283,10 @@ class _ModelSource(CycleSource):
             bonus = int(greedy_tokens(out.logits[0, -1:])[0])
             # a captured step's output is its buffer's until the next step
             feats = out.features[:, -1:].clone() if self.use_draft else None
-        synchronize(self.dev)
+            synchronize(self.dev)
+            nxt = torch.tensor([[bonus]], dtype=torch.long, device=self.dev) if self.use_draft else None
         rec.verify_s = time.perf_counter() - t0
         if self.use_draft:
-            nxt = torch.tensor([[bonus]], dtype=torch.long, device=self.dev)
             self.pend_h.append(feats)
             self.pend_t.append(nxt)
         self.root = bonus

@@ -223,7 +223,7 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            machine_options=("latency", "size_policy", "chain", "tuned")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
            machine_options=("latency", "chain", "tuned")),
-    Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,), machine_options=("latency", "chain")),
+    Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,), machine_options=("latency", "chain", "tuned")),
     Method("c2t", C2TConfig, C2TController, (_C2T_ASSET,), machine_options=("latency", "chain")),
 )}
 """Method name -> registry entry, in the order the docs list them."""

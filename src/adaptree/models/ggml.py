@@ -607,13 +607,13 @@ class GgmlTarget(nn.Module):
             raise ValueError(f"the llama.cpp backend runs one sequence; a batch of {batch} needs the PyTorch backend")
         return GgmlCache(self, max_len or self.max_seq_len)
 
-    def greedy_step(self, token: int, cache: GgmlCache, features: bool) -> tuple[int, torch.Tensor | None]:
+    def greedy_step(self, token: int, cache: GgmlCache, features: bool) -> tuple[int, np.ndarray | None]:
         """A greedy decode step of ``token`` after ``cache``'s committed context: the argmax of its logits (numpy's:
         the first maximal index, as :func:`~adaptree.core.verify.greedy_tokens` takes it) and, with ``features``, its
-        features ``[1, 1, 3 * hidden]``. The engine's AR step on this backend (:meth:`GgmlCache.step`: no torch
-        object per token)."""
+        features ``[1, 3 * hidden]`` float32 (numpy: the engine makes tensors of them when the head drafts). The
+        engine's AR step on this backend (:meth:`GgmlCache.step`: no torch object per token)."""
         row, fs = cache.step(int(token), features)
-        return int(row.argmax()), (torch.from_numpy(fs)[None].to(self._dtype) if features else None)
+        return int(row.argmax()), fs
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: GgmlCache | None = None, tree_mask: torch.Tensor | None = None,

@@ -133,7 +133,7 @@ class _Bridge(Controller):
     def __init__(self, inner: Controller, decision: str, env: "CycleEnv") -> None:
         self.inner, self.decision, self.env = inner, decision, env
         self.name = f"env-{decision}"
-        self.uses_draft = inner.uses_draft
+        self.uses_draft = inner.uses_draft  # reads_features stays True: an environment may observe them
         self.to_env: queue.Queue = queue.Queue()
         self.to_worker: queue.Queue = queue.Queue()
         self.asked = False  # the agent decided something this cycle (depth/size) or interval (plan)

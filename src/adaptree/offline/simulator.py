@@ -200,11 +200,11 @@ class _ReplaySource(CycleSource):
     def context_len(self) -> int:
         return self.n + self.j
 
-    def start_cycle(self) -> torch.Tensor | None:
+    def start_cycle(self, features: bool = True) -> torch.Tensor | None:
         trace, j = self.trace, self.j
         if j >= trace.end:
             raise RuntimeError(f"trace {trace.key!r}: root {j} is past the recorded {trace.end} positions")
-        return None if self.feats is None else self.feats[j].float()
+        return None if self.feats is None or not features else self.feats[j].float()
 
     def draft(self, width: int, rec: CycleRecord) -> DraftStep:
         j = self.j

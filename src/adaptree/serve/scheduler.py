@@ -44,7 +44,7 @@ class _Watched(Controller):
 
     def __init__(self, inner: Controller, job: Job) -> None:
         self.inner, self.job = inner, job
-        self.name, self.uses_draft = inner.name, inner.uses_draft
+        self.name, self.uses_draft, self.reads_features = inner.name, inner.uses_draft, inner.reads_features
         self.records: list[CycleRecord] = []
 
     def reset(self) -> None:

@@ -37,6 +37,9 @@ from adaptree.methods.common.classifier import (
 from adaptree.offline.traces import PromptTrace, match_mask, num_candidates
 
 KIND = "c2t"
+PROBE_SIZE = 60
+"""What the AR gate prices a C2T cycle at (EAGLE-3's V, about what the classifier counts): a tree of one node would
+make probes look nearly free, and where trees of tens of nodes never pay C2T would probe every few steps."""
 FEATURES = ["cumulative_logp", "logp", "depth"]
 HIDDEN, EPOCHS, DEPTH = 64, 50, 8
 """The LTD paper's C2T: an FFN of hidden size 64, trained 50 epochs, on trees of depth 8."""
@@ -88,7 +91,7 @@ class C2TController(LearnedSeam, Controller):
         self.threshold = classifier.config.threshold if cfg.threshold is None else cfg.threshold
         self.plan = cfg.plan()
         self.observes = False
-        self.smallest = (cfg.width, 1, cfg.depth)
+        self.smallest = (cfg.width, min(PROBE_SIZE, cfg.size), cfg.depth)
         self.last_count = 0
         self.start_runtime(cfg, chain_calibration, False)
         self.load_latency(cfg)

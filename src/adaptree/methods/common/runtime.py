@@ -67,6 +67,7 @@ class LearnedSeam(ChainSeam):
     """
 
     gate: ARGate | None = None
+    reads_features = False  # but Re-SpS's feature states
     smallest: tuple[int, int, int]
     """(width, size, max depth) of the policies' smallest tree: what the AR gate prices a probe at."""
 

@@ -117,6 +117,7 @@ class CostAwareController(Controller):
     """
 
     name = "costaware"
+    reads_features = False
 
     def __init__(self, config: CostAwareConfig | None = None, latency_model: LatencyModel | None = None,
                  calibration: AcceptanceCalibration | None = None) -> None:

@@ -375,6 +375,7 @@ class ReSpSController(LearnedSeam, Controller):
     """
 
     name = "resps"
+    reads_features = True  # its state is the target's features
 
     def __init__(self, config: ReSpSConfig | None = None, policy=None, tokenizer=None,
                  chain_calibration=None) -> None:

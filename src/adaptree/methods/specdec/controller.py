@@ -6,8 +6,11 @@ predicted chance of a rejection passes a threshold.
   drafted the best node of the new beam (:meth:`~adaptree.core.tree.DraftTree.best_hidden`; at depth 1 the root's)
   and gives P(accepted) of that node's path; drafting stops when ``1 - P > threshold``. The label it was trained on
   is the whole path's acceptance, so the probability is already cumulative along the path, as SpecDec++'s stopping
-  rule (P(at least one rejection so far) > h) asks. The tree is EAGLE-3's (W=10) with LTD's settings for dynamic-depth
-  methods: V = 60, at most 12 levels.
+  rule (P(at least one rejection so far) > h) asks. The tree is EAGLE-3's (W=10), at most 12 levels (LTD's setting
+  for dynamic-depth methods). V follows the machine as RADAR's does: a cycle that stopped at depth d verifies the V
+  of the machine's best static tree of that depth (``tuned``, the machine setup's static_gs.json, or a family
+  member's own), since LTD's fixed V = 60 makes every tree lose where verification is dear (CPUs); without one,
+  and with ``size`` given, a fixed V (60: LTD's).
 * **Classifier.** A ResNet of hidden width 1024 (:class:`~adaptree.methods.common.classifier.AcceptanceClassifier`,
   one residual block), trained 5 epochs with AdamW at lr 1e-4 on balanced samples: every level 1..12 of the trees at
   the roots EAGLE-3's default tree (W=10, depth 8, V=60) reaches on greedy HumanEval traces recorded with the hidden
@@ -25,8 +28,8 @@ import numpy as np
 import torch
 
 from adaptree.core.config import between
-from adaptree.core.controller import Controller, TreeShape
-from adaptree.core.tree import DraftStep
+from adaptree.core.controller import Controller, TreePlan, TreeShape
+from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.common import LearnedRuntime, LearnedSeam
 from adaptree.methods.common.classifier import (
     EAGLE_TREE,
@@ -39,25 +42,39 @@ from adaptree.methods.common.classifier import (
 from adaptree.offline.traces import PromptTrace, level_offset, match_mask
 
 KIND = "specdec"
+EAGLE_SIZE = 60
+"""LTD's V for the dynamic-depth methods: SpecDec++'s V without a machine tree."""
 HIDDEN, BLOCKS, EPOCHS = 1024, 1, 5
 """The LTD paper's SpecDec++: a ResNet of hidden size 1024 (one residual block), trained 5 epochs."""
 
 
 @dataclass
 class SpecDecConfig(LearnedRuntime, TreeShape):
-    """SpecDec++'s inference settings (LTD's for dynamic-depth methods: W=10, V=60, at most 12 levels)."""
+    """SpecDec++'s inference settings (LTD's for dynamic-depth methods: W=10, at most 12 levels; V the machine's)."""
 
     width: int = 10
     """Beam width W."""
     depth: int = 12
     """Maximum draft depth."""
-    size: int = 60
-    """Verification size V."""
+    size: int | None = None
+    """Verification size V at every depth; None = the machine's best V at the depth the cycle stopped (``tuned``),
+    60 (LTD's) without a machine tree."""
     policy: str | None = None
     """Classifier folder (config.json + model.safetensors; ``specdec/`` next to the head in use when built through
     the method registry)."""
     threshold: float | None = between(0.0, 1.0, None, lo_open=True, hi_open=True)
     """Stop drafting when the predicted chance of a rejection exceeds this; None = the classifier file's (0.5)."""
+
+    def __post_init__(self) -> None:
+        size, self.size = self.size, (EAGLE_SIZE if self.size is None else self.size)  # the shape's range check
+        try:
+            super().__post_init__()
+        finally:
+            self.size = size
+
+    def plan(self, depth: int | None = None) -> TreePlan:
+        return TreePlan(self.width, self.depth if depth is None else depth,
+                        EAGLE_SIZE if self.size is None else self.size)
 
 
 class SpecDecController(LearnedSeam, Controller):
@@ -81,10 +98,18 @@ class SpecDecController(LearnedSeam, Controller):
         self.threshold = classifier.config.threshold if cfg.threshold is None else cfg.threshold
         self.plan = cfg.plan()
         self.observes = False
-        self.smallest = (cfg.width, cfg.size, cfg.depth)
+        # The AR gate prices probes at EAGLE-3's tree, not at the machine's V of one level: SpecDec++ drafts on while
+        # its classifier expects acceptances, so a probe costs several levels, and priced at one node probes would come
+        # every few steps where no tree pays (docs/methods.md).
+        self.smallest = (cfg.width, EAGLE_SIZE if cfg.size is None else cfg.size, cfg.depth)
         self.last_p_accept = float("nan")
         self.start_runtime(cfg, chain_calibration, False)
         self.load_latency(cfg)
+
+    def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
+        if self.config.size is None and self.machine_tree is not None:
+            return self.machine_tree.size_at(tree.depth)
+        return plan.size
 
     @torch.inference_mode()
     def continue_drafting(self, step: DraftStep) -> bool:
