@@ -54,7 +54,7 @@ def profiles(shared: Path) -> list[tuple[SimpleNamespace, Path]]:
             out.append((m, index.parent / f"{m.name}.json"))
     for f in sorted(shared.glob("*.latency.json")):
         name = f.name.removesuffix(".latency.json")
-        out.append((SimpleNamespace(name=f"shared:{name}", model=LatencyModel.load(f)), f))
+        out.append((SimpleNamespace(name=f"shared-{name}", model=LatencyModel.load(f)), f))
     return out
 
 
@@ -187,7 +187,7 @@ def main() -> None:
     sets = datasets(traces)
     live = {}
     for item in args.live:
-        name, _, folder = item.partition("=")
+        name, _, folder = item.rpartition("=")
         if not folder:
             raise SystemExit(f"table1: --live {item!r}: expected NAME=FOLDER")
         live[name] = live_rows(Path(folder))

@@ -159,15 +159,20 @@ class TreeShape:
     """How a range error names the depth."""
     unset_depth: ClassVar[int] = 1
     """What is range-checked when the depth is None (a method that takes its depth from its policy)."""
+    unset_size: ClassVar[int] = 60
+    """V when the size is None (a method that takes V per depth from the machine's tree, and EAGLE-3's 60 without
+    one): what is range-checked and what :meth:`plan` carries."""
 
     def __post_init__(self) -> None:
-        check_shape(self.width, self.unset_depth if self.depth is None else self.depth, self.size, self.depth_name)
+        check_shape(self.width, self.unset_depth if self.depth is None else self.depth,
+                    self.unset_size if self.size is None else self.size, self.depth_name)
         check_fields(self)  # every field's own range and choices (adaptree.core.config), the subclass's too
 
     def plan(self, depth: int | None = None) -> TreePlan:
         """The :class:`TreePlan` of this shape, with ``depth`` instead of the config's when given (a policy's, or
         this cycle's)."""
-        return TreePlan(self.width, self.depth if depth is None else depth, self.size)
+        return TreePlan(self.width, self.depth if depth is None else depth,
+                        self.unset_size if self.size is None else self.size)
 
 
 class AutoregressiveController(Controller):

@@ -23,13 +23,14 @@ import numpy as np
 import torch
 
 from adaptree.core.config import between
-from adaptree.core.controller import Controller, TreePlan, TreeShape
+from adaptree.core.controller import TreePlan, TreeShape
 from adaptree.core.tree import DraftTree
-from adaptree.methods.common import LearnedRuntime, LearnedSeam
+from adaptree.methods.common import LearnedRuntime
 from adaptree.methods.common.classifier import (
     EAGLE_TREE,
     AcceptanceClassifier,
     ClassifierConfig,
+    ClassifierController,
     ClassifierTrainConfig,
     train_classifier,
     visited_roots,
@@ -69,39 +70,28 @@ class C2TConfig(LearnedRuntime, TreeShape):
     """A candidate counts when its predicted chance of acceptance is at least this; None = the classifier file's."""
 
 
-class C2TController(LearnedSeam, Controller):
+class C2TController(ClassifierController):
     """EAGLE-3's tree of depth 8, its verified size counted by C2T's classifier (module docstring).
 
     :param classifier: a loaded :class:`~adaptree.methods.common.classifier.AcceptanceClassifier` (overrides
         ``config.policy``).
     """
 
-    name = KIND
+    name, label = KIND, "C2T"
 
     def __init__(self, config: C2TConfig | None = None, classifier: AcceptanceClassifier | None = None,
                  chain_calibration=None) -> None:
-        self.config = cfg = config or C2TConfig()
-        if classifier is None:
-            if not cfg.policy:
-                raise ValueError("no C2T classifier given: pass --c2t-policy PATH (train one with `adaptree train c2t`)")
-            classifier = AcceptanceClassifier.load(cfg.policy, KIND)
-        if classifier.config.features != FEATURES:
-            raise ValueError(f"a C2T classifier reads {FEATURES}, this one {classifier.config.features}")
-        self.classifier = classifier.eval()
-        self.threshold = classifier.config.threshold if cfg.threshold is None else cfg.threshold
-        self.plan = cfg.plan()
-        self.observes = False
-        self.smallest = (cfg.width, min(PROBE_SIZE, cfg.size), cfg.depth)
+        cfg = config or C2TConfig()
+        self.probe_size = min(PROBE_SIZE, cfg.size)
         self.last_count = 0
-        self.start_runtime(cfg, chain_calibration, False)
-        self.load_latency(cfg)
+        super().__init__(cfg, classifier, chain_calibration)
+        if self.classifier.config.features != FEATURES:
+            raise ValueError(f"a C2T classifier reads {FEATURES}, this one {self.classifier.config.features}")
 
     @torch.inference_mode()
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         x = candidate_features(tree.candidate_scores(), tree.candidate_parents(), tree.candidate_depths())
-        if self.classifier.last.weight.device != x.device:
-            self.classifier.to(x.device)
-        self.last_count = count = int((self.classifier.accept_prob(x) >= self.threshold).sum())
+        self.last_count = count = int((self.accept_prob(x) >= self.threshold).sum())
         return min(count, plan.size)
 
 

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from adaptree.core.config import between, check_fields, positive
+from adaptree.core.controller import Controller
+from adaptree.methods.common.runtime import LearnedSeam
 from adaptree.offline.policy import load_policy, save_policy
 from adaptree.offline.runs import (
     check_out_dir,
@@ -121,6 +123,37 @@ class AcceptanceClassifier(nn.Module):
         if model.config.kind != kind:
             raise ValueError(f"{folder}: a {model.config.kind!r} classifier, not a {kind!r} one")
         return model
+
+
+class ClassifierController(LearnedSeam, Controller):
+    """What SpecDec++'s and C2T's controllers share: the classifier (given, or loaded from ``config.policy``), its
+    threshold (``config.threshold``, else the file's), the plan of the config and the learned methods' runtime (the
+    AR gate prices a probe at ``probe_size`` nodes)."""
+
+    label: str
+    """The method's name in messages."""
+    probe_size: int
+
+    def __init__(self, config, classifier: AcceptanceClassifier | None = None, chain_calibration=None) -> None:
+        self.config = cfg = config
+        if classifier is None:
+            if not cfg.policy:
+                raise ValueError(f"no {self.label} classifier given: pass --{self.name}-policy PATH (train one with "
+                                 f"`adaptree train {self.name}`)")
+            classifier = AcceptanceClassifier.load(cfg.policy, self.name)
+        self.classifier = classifier.eval()
+        self.threshold = classifier.config.threshold if cfg.threshold is None else cfg.threshold
+        self.plan = cfg.plan()
+        self.observes = False
+        self.smallest = (cfg.width, self.probe_size, cfg.depth)
+        self.start_runtime(cfg, chain_calibration, False)
+        self.load_latency(cfg)
+
+    def accept_prob(self, x: torch.Tensor) -> torch.Tensor:
+        """The classifier's P(accepted) of the rows of ``x``, on ``x``'s device."""
+        if self.classifier.last.weight.device != x.device:
+            self.classifier.to(x.device)
+        return self.classifier.accept_prob(x)
 
 
 # ---- samples ----------------------------------------------------------------------------------------
@@ -261,5 +294,5 @@ def train_classifier(config: ClassifierConfig, traces: Sequence[PromptTrace], sa
     return summary
 
 
-__all__ = ["AcceptanceClassifier", "ClassifierConfig", "ClassifierTrainConfig", "EAGLE_TREE", "balance",
+__all__ = ["AcceptanceClassifier", "ClassifierConfig", "ClassifierController", "ClassifierTrainConfig", "EAGLE_TREE", "balance",
            "balanced_accuracy", "gather", "train_classifier", "visited_roots"]

@@ -88,19 +88,12 @@ class RadarConfig(LearnedRuntime, TreeShape):
     """Seed of the stochastic decisions' generator (reset with every generation)."""
 
     unset_depth: ClassVar[int] = 1
+    unset_size: ClassVar[int] = EAGLE_SIZE
 
     def __post_init__(self) -> None:
         if self.tuned is not None and not Path(self.tuned).is_file():
             raise FileNotFoundError(f"RADAR's V table {self.tuned!r} (a static_gs.json) does not exist")
-        size, self.size = self.size, (EAGLE_SIZE if self.size is None else self.size)  # the shape's range check
-        try:
-            super().__post_init__()
-        finally:
-            self.size = size
-
-    def plan(self, depth: int | None = None) -> TreePlan:
-        return TreePlan(self.width, self.depth if depth is None else depth,
-                        EAGLE_SIZE if self.size is None else self.size)
+        super().__post_init__()
 
 
 class RadarController(LearnedSeam, Controller):

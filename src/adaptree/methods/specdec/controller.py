@@ -23,18 +23,20 @@ predicted chance of a rejection passes a threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from adaptree.core.config import between
-from adaptree.core.controller import Controller, TreePlan, TreeShape
+from adaptree.core.controller import TreePlan, TreeShape
 from adaptree.core.tree import DraftStep, DraftTree
-from adaptree.methods.common import LearnedRuntime, LearnedSeam
+from adaptree.methods.common import LearnedRuntime
 from adaptree.methods.common.classifier import (
     EAGLE_TREE,
     AcceptanceClassifier,
     ClassifierConfig,
+    ClassifierController,
     ClassifierTrainConfig,
     train_classifier,
     visited_roots,
@@ -65,46 +67,27 @@ class SpecDecConfig(LearnedRuntime, TreeShape):
     threshold: float | None = between(0.0, 1.0, None, lo_open=True, hi_open=True)
     """Stop drafting when the predicted chance of a rejection exceeds this; None = the classifier file's (0.5)."""
 
-    def __post_init__(self) -> None:
-        size, self.size = self.size, (EAGLE_SIZE if self.size is None else self.size)  # the shape's range check
-        try:
-            super().__post_init__()
-        finally:
-            self.size = size
-
-    def plan(self, depth: int | None = None) -> TreePlan:
-        return TreePlan(self.width, self.depth if depth is None else depth,
-                        EAGLE_SIZE if self.size is None else self.size)
+    unset_size: ClassVar[int] = EAGLE_SIZE
 
 
-class SpecDecController(LearnedSeam, Controller):
+class SpecDecController(ClassifierController):
     """EAGLE-3's tree, drafting stopped by SpecDec++'s acceptance classifier (module docstring).
 
     :param classifier: a loaded :class:`~adaptree.methods.common.classifier.AcceptanceClassifier` (overrides
         ``config.policy``).
     """
 
-    name = KIND
+    name, label = KIND, "SpecDec++"
 
     def __init__(self, config: SpecDecConfig | None = None, classifier: AcceptanceClassifier | None = None,
                  chain_calibration=None) -> None:
-        self.config = cfg = config or SpecDecConfig()
-        if classifier is None:
-            if not cfg.policy:
-                raise ValueError("no SpecDec++ classifier given: pass --specdec-policy PATH (train one with "
-                                 "`adaptree train specdec`)")
-            classifier = AcceptanceClassifier.load(cfg.policy, KIND)
-        self.classifier = classifier.eval()
-        self.threshold = classifier.config.threshold if cfg.threshold is None else cfg.threshold
-        self.plan = cfg.plan()
-        self.observes = False
+        cfg = config or SpecDecConfig()
         # The AR gate prices probes at EAGLE-3's tree, not at the machine's V of one level: SpecDec++ drafts on while
         # its classifier expects acceptances, so a probe costs several levels, and priced at one node probes would come
         # every few steps where no tree pays (docs/methods.md).
-        self.smallest = (cfg.width, EAGLE_SIZE if cfg.size is None else cfg.size, cfg.depth)
+        self.probe_size = EAGLE_SIZE if cfg.size is None else cfg.size
         self.last_p_accept = float("nan")
-        self.start_runtime(cfg, chain_calibration, False)
-        self.load_latency(cfg)
+        super().__init__(cfg, classifier, chain_calibration)
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.config.size is None and self.machine_tree is not None:
@@ -117,9 +100,7 @@ class SpecDecController(LearnedSeam, Controller):
         if h.shape[-1] != self.classifier.config.inputs:
             raise ValueError(f"the SpecDec++ classifier reads hidden states of width {self.classifier.config.inputs}, "
                              f"this draft head's are {h.shape[-1]} wide: train one for this head")
-        if self.classifier.last.weight.device != h.device:
-            self.classifier.to(h.device)
-        self.last_p_accept = p = float(self.classifier.accept_prob(h))
+        self.last_p_accept = p = float(self.accept_prob(h))
         return 1.0 - p <= self.threshold
 
 
