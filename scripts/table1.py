@@ -107,8 +107,8 @@ def table(title: str, rows: dict, key: str) -> list[str]:
 
 
 PAYS, NO_TREE = 1.3, 1.0
-"""A profile's trees pay where the best static tree in hindsight models >= PAYS x AR (issue 59's bar), and do not
-where it models < NO_TREE."""
+"""A profile's trees pay where the best static tree in hindsight models >= PAYS x AR (where the transfer table holds
+LTD to its bars), and do not where it models < NO_TREE."""
 
 
 def regime(p: dict) -> str:
@@ -131,7 +131,8 @@ def summary(replay: dict) -> dict:
             best[top] = best.get(top, 0) + 1
         rows = {}
         for m in METHODS:
-            v = [p["rows"]["mean"][m]["modelled_speedup"] for p in ps if "skipped" not in p["rows"]["mean"].get(m, {"skipped": 1})]
+            v = [p["rows"]["mean"][m]["modelled_speedup"] for p in ps
+                 if "skipped" not in p["rows"]["mean"].get(m, {"skipped": 1})]
             if v:
                 rows[m] = {"geomean_speedup": round(float(np.exp(np.mean(np.log(v)))), 4), "min": round(min(v), 4),
                            "profiles": len(v), "best_on": best.get(m, 0)}

@@ -187,8 +187,8 @@ _RESPS_ASSET = Asset("policy", "resps", "a Re-SpS policy", "--resps-policy",
 
 
 def _classifier_asset(name: str, what: str) -> Asset:
-    return Asset("policy", name, what, f"--{name}-policy", f"adaptree train {name} --model MODEL --draft HEAD --out RUN, "
-                 f"then copy RUN/policy to HEAD/{name}")
+    return Asset("policy", name, what, f"--{name}-policy",
+                 f"adaptree train {name} --model MODEL --draft HEAD --out RUN, then copy RUN/policy to HEAD/{name}")
 
 
 _SPECDEC_ASSET = _classifier_asset("specdec", "a SpecDec++ classifier")
@@ -223,7 +223,8 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
            machine_options=("latency", "size_policy", "chain", "tuned")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
            machine_options=("latency", "chain", "tuned")),
-    Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,), machine_options=("latency", "chain", "tuned")),
+    Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,),
+           machine_options=("latency", "chain", "tuned")),
     Method("c2t", C2TConfig, C2TController, (_C2T_ASSET,), machine_options=("latency", "chain")),
 )}
 """Method name -> registry entry, in the order the docs list them."""

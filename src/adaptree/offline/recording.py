@@ -115,8 +115,9 @@ def sufficient_traces(pipeline, folder: str | os.PathLike, keys: set[str], width
                       max_new_tokens: int, feature_dtype: str, hidden_dtype: str = "none") -> list[PromptTrace] | None:
     """The traces of ``keys`` in ``folder`` when it already holds every one of them, recorded for this model and head
     with at least what a trainer asks for (its widths, ``max_depth`` levels or more, the same token limit, target
-    features and draft hidden states when it needs them): one folder then serves every trainer (LTD's traces need no features, Re-SpS's do).
-    None when it does not (the caller records into it, which refuses settings that differ)."""
+    features and draft hidden states when it needs them): one folder then serves every trainer (LTD's traces need no
+    features, Re-SpS's do, SpecDec++'s need the hidden states). None when it does not (the caller records into it,
+    which refuses settings that differ)."""
     from adaptree.offline.store import head_fingerprint, model_fingerprint
 
     if not (Path(folder) / "manifest.json").is_file():

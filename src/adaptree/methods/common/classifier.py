@@ -89,8 +89,8 @@ class AcceptanceClassifier(nn.Module):
         self.register_buffer("shift", torch.zeros(c.inputs))
         self.register_buffer("scale", torch.ones(c.inputs))
         self.first = nn.Linear(c.inputs, c.hidden)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(c.hidden, c.hidden), nn.SiLU(), nn.Linear(c.hidden, c.hidden))
-                                    for _ in range(c.blocks))
+        h = c.hidden
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, h), nn.SiLU(), nn.Linear(h, h)) for _ in range(c.blocks))
         self.last = nn.Linear(c.hidden, 1)
         self.act = nn.SiLU()
 
@@ -294,5 +294,5 @@ def train_classifier(config: ClassifierConfig, traces: Sequence[PromptTrace], sa
     return summary
 
 
-__all__ = ["AcceptanceClassifier", "ClassifierConfig", "ClassifierController", "ClassifierTrainConfig", "EAGLE_TREE", "balance",
-           "balanced_accuracy", "gather", "train_classifier", "visited_roots"]
+__all__ = ["AcceptanceClassifier", "ClassifierConfig", "ClassifierController", "ClassifierTrainConfig", "EAGLE_TREE",
+           "balance", "balanced_accuracy", "gather", "train_classifier", "visited_roots"]
