@@ -80,10 +80,12 @@ def calibrations(train, folder: Path) -> tuple[Path, Path]:
 
 
 def method_rows(member, latency_file: Path, traces, train, acc: Path, chain: Path, policies: dict,
-                methods=METHODS, head: Path | None = None) -> dict:
-    """One member's rows of ``methods`` (without their fractions of the oracle's gain)."""
+                methods=METHODS, head: Path | None = None, tuned=None) -> dict:
+    """One member's rows of ``methods`` (without their fractions of the oracle's gain); ``tuned``: the member's best
+    static tree on ``train``, when the caller already searched it."""
     lat = member.model
-    tuned = best_static(train, lat, widths=(10,), depths=range(1, 13))
+    if tuned is None:
+        tuned = best_static(train, lat, widths=(10,), depths=range(1, 13))
     by_depth = tuned.size_by_depth()
     tuned_file = acc.parent / f"static_gs-{member.name}.json"  # what a setup on that machine would write
     write_json({"width": tuned.width, "depth": tuned.depth, "size": tuned.size,

@@ -102,6 +102,20 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(before)
 
 
+def record_tiny_traces(models, settings, prompts=PROMPTS, tag: str = "p") -> list:
+    """The traces of ``prompts`` on ``models`` with ``settings`` (keys ``tag`` + 0, 1, ...), recorded on TINY_THREADS
+    (a module-scoped fixture runs outside the per-test thread setting)."""
+    from adaptree.offline.traces import record_trace
+
+    target, head = models
+    before = torch.get_num_threads()
+    torch.set_num_threads(TINY_THREADS)
+    try:
+        return [record_trace(target, head, p, settings=settings, key=f"{tag}{i}") for i, p in enumerate(prompts)]
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models():
     """A tiny target and its head (12-token draft vocabulary), shared by a test module, on TINY_THREADS."""

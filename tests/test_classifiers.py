@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import N_NEW, PROMPTS, TINY_THREADS
+from conftest import N_NEW, PROMPTS, record_tiny_traces
 from ties import assert_mostly_exact, draft_ids, replay_against_live
 
 from adaptree.core.controller import StaticConfig, StaticController
@@ -28,7 +28,7 @@ from adaptree.methods.common.classifier import (
 from adaptree.methods.specdec import SpecDecConfig, SpecDecController, train_specdec
 from adaptree.methods.specdec import samples as specdec_samples
 from adaptree.offline.simulator import simulate
-from adaptree.offline.traces import TraceSettings, acceptance_table, load_trace, record_trace, save_trace
+from adaptree.offline.traces import TraceSettings, acceptance_table, load_trace, save_trace
 
 SETTINGS = TraceSettings(widths=(10,), max_depth=12, max_new_tokens=N_NEW, feature_dtype="none",
                          hidden_dtype="float32")
@@ -36,12 +36,7 @@ SETTINGS = TraceSettings(widths=(10,), max_depth=12, max_new_tokens=N_NEW, featu
 
 @pytest.fixture(scope="module")
 def traces(models):
-    target, head = models
-    before = torch.get_num_threads()
-    torch.set_num_threads(TINY_THREADS)
-    out = [record_trace(target, head, p, settings=SETTINGS, key=f"p{i}") for i, p in enumerate(PROMPTS)]
-    torch.set_num_threads(before)
-    return out
+    return record_tiny_traces(models, SETTINGS)
 
 
 @pytest.fixture(scope="module")

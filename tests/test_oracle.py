@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import N_NEW, PROMPTS, TINY_THREADS, TRACE_SETTINGS
+from conftest import N_NEW, PROMPTS, TRACE_SETTINGS, record_tiny_traces
 
 from adaptree.methods import METHODS, Controller, StaticConfig, StaticController, TreePlan, make_controller
 from adaptree.methods.resps.controller import (
@@ -42,7 +42,6 @@ from adaptree.offline.traces import (
     TraceSettings,
     accepted_length,
     num_candidates,
-    record_trace,
 )
 
 SETTINGS = TRACE_SETTINGS
@@ -59,31 +58,22 @@ LATENCIES = {
 }
 
 
-def _record(models, prompts, settings, tag="p"):
-    target, head = models
-    before = torch.get_num_threads()
-    torch.set_num_threads(TINY_THREADS)
-    try:
-        return [record_trace(target, head, p, settings=settings, key=f"{tag}{i}") for i, p in enumerate(prompts)]
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def traces(models):
-    return _record(models, PROMPTS, SETTINGS)
+    return record_tiny_traces(models, SETTINGS)
 
 
 @pytest.fixture(scope="module")
 def small_traces(models, traces):
     """Short traces for the exhaustive search: plain, stopped by EOS, and cut by the context limit."""
-    plain = _record(models, PROMPTS[:3], TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=7), "plain")
+    plain = record_tiny_traces(models, TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=7), PROMPTS[:3],
+                               "plain")
     out = traces[0].output.tolist()
     eos = (next(t for i, t in enumerate(out) if i >= 3 and t not in out[:i]),)  # first emitted at index >= 3
-    with_eos = _record(models, PROMPTS[:2], TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=9,
-                                                          eos_token_ids=eos), "eos")
-    ctx = _record(models, [PROMPTS[2]], TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=20, max_seq_len=13),
-                  "ctx")
+    with_eos = record_tiny_traces(models, TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=9,
+                                                        eos_token_ids=eos), PROMPTS[:2], "eos")
+    ctx = record_tiny_traces(models, TraceSettings(widths=(2, 3), max_depth=3, max_new_tokens=20, max_seq_len=13),
+                             [PROMPTS[2]], "ctx")
     assert ctx[0].stop_reason == "context_limit"
     assert any(t.stop_reason == "eos" for t in with_eos)
     return plain + with_eos + ctx
@@ -372,7 +362,8 @@ def test_static_times_per_trace_sum_to_best_static(traces):
 
 
 def test_best_static_default_widths_are_the_common_ones(traces, models):
-    other = _record(models, PROMPTS[:1], TraceSettings(widths=(3, 5), max_depth=12, max_new_tokens=N_NEW))
+    other = record_tiny_traces(models, TraceSettings(widths=(3, 5), max_depth=12, max_new_tokens=N_NEW),
+                               PROMPTS[:1])
     choice = best_static([traces[0], other[0]], LATENCIES["cpu"], depths=(1, 2), sizes=(4,))
     assert {r["width"] for r in choice.grid} == {3}
 

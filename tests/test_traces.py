@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import N_NEW, PROMPTS, TINY_THREADS, TRACE_SETTINGS, tiny_head, tiny_target
+from conftest import N_NEW, PROMPTS, TRACE_SETTINGS, record_tiny_traces, tiny_head, tiny_target
 from ties import TIE, PathTree, assert_mostly_exact, compare_trees, draft_ids, replay_against_live, replay_tree
 
 from adaptree.core.batched import batched_decode as greedy_outputs
@@ -40,12 +40,7 @@ SETTINGS = TRACE_SETTINGS
 
 @pytest.fixture(scope="module")
 def traces(models):
-    target, head = models
-    before = torch.get_num_threads()
-    torch.set_num_threads(TINY_THREADS)
-    out = [record_trace(target, head, p, settings=SETTINGS, key=f"p{i}") for i, p in enumerate(PROMPTS)]
-    torch.set_num_threads(before)
-    return out
+    return record_tiny_traces(models, SETTINGS)
 
 
 def cycle_tuples(cycles):

@@ -33,6 +33,7 @@ from adaptree.methods.common.classifier import (
     ClassifierController,
     ClassifierTrainConfig,
     train_classifier,
+    training_traces_for,
     visited_roots,
 )
 from adaptree.offline.traces import PromptTrace, match_mask, num_candidates
@@ -104,7 +105,7 @@ def samples(trace: PromptTrace, tree: tuple[int, int, int] = EAGLE_TREE) -> tupl
     wt = trace.width(tree[0])
     roots = visited_roots(trace, tree)
     c = num_candidates(wt.width, DEPTH)
-    tokens, scores, parents, depths, _ = wt.torch_views()
+    _, scores, parents, depths, _ = wt.torch_views()
     x = candidate_features(scores[roots, :c], parents[roots, :c], depths[:c].expand(len(roots), c))
     y = match_mask(wt, trace.output, roots)[:, :c]
     return x.reshape(-1, len(FEATURES)).numpy(), y.reshape(-1)
@@ -118,14 +119,9 @@ def train_c2t(traces: list[PromptTrace], cfg: ClassifierTrainConfig, progress: b
 
 
 def train_c2t_for(pipeline, cfg: ClassifierTrainConfig, prompts, progress: bool = True) -> dict:
-    """Record (or reuse) the greedy traces of ``prompts`` (a :class:`~adaptree.offline.recording.TrainingPrompts`),
-    then :func:`train_c2t`. The traces are recorded as SpecDec++'s are (with the draft hidden states, 12 levels), so
-    one folder (``--traces``) serves both."""
-    from adaptree.offline.recording import training_traces
-
-    traces = training_traces(pipeline, prompts.trace_folder(cfg.out), prompts.prompts(), prompts.max_new_tokens,
-                             (EAGLE_TREE[0],), 12, progress=progress, hidden_dtype="float16")
-    return train_c2t(traces, cfg, progress=progress)
+    """Record (or reuse) the greedy traces of ``prompts`` (a :class:`~adaptree.offline.recording.TrainingPrompts`)
+    as SpecDec++'s are (:func:`~adaptree.methods.common.classifier.training_traces_for`), then :func:`train_c2t`."""
+    return train_c2t(training_traces_for(pipeline, cfg, prompts, progress), cfg, progress=progress)
 
 
 DEFAULT_TRAINING = replace(ClassifierTrainConfig(), out="runs/c2t", epochs=EPOCHS)

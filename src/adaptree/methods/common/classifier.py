@@ -189,6 +189,16 @@ Sampler = Callable[[PromptTrace], tuple[np.ndarray, np.ndarray]]
 """One trace -> ``(features [N, inputs] float32, accepted [N] bool)``."""
 
 
+def training_traces_for(pipeline, cfg: "ClassifierTrainConfig", prompts, progress: bool = True) -> list[PromptTrace]:
+    """The greedy traces of ``prompts`` (a :class:`~adaptree.offline.recording.TrainingPrompts`), recorded into
+    ``prompts.traces`` or ``cfg.out``/traces if missing, as both classifiers need them (W=10, 12 levels, the draft
+    hidden states): one folder (``--traces``) serves SpecDec++ and C2T."""
+    from adaptree.offline.recording import training_traces
+
+    return training_traces(pipeline, prompts.trace_folder(cfg.out), prompts.prompts(), prompts.max_new_tokens,
+                           (EAGLE_TREE[0],), 12, progress=progress, hidden_dtype="float16")
+
+
 def gather(traces: Sequence[PromptTrace], sampler: Sampler, inputs: int) -> tuple[np.ndarray, np.ndarray]:
     xs, ys = zip(*(sampler(t) for t in traces)) if traces else ((), ())
     return (np.concatenate(xs) if xs else np.zeros((0, inputs), np.float32),
@@ -295,4 +305,4 @@ def train_classifier(config: ClassifierConfig, traces: Sequence[PromptTrace], sa
 
 
 __all__ = ["AcceptanceClassifier", "ClassifierConfig", "ClassifierController", "ClassifierTrainConfig", "EAGLE_TREE",
-           "balance", "balanced_accuracy", "gather", "train_classifier", "visited_roots"]
+           "balance", "balanced_accuracy", "gather", "train_classifier", "training_traces_for", "visited_roots"]

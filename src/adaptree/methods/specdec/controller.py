@@ -39,6 +39,7 @@ from adaptree.methods.common.classifier import (
     ClassifierController,
     ClassifierTrainConfig,
     train_classifier,
+    training_traces_for,
     visited_roots,
 )
 from adaptree.offline.traces import PromptTrace, level_offset, match_mask
@@ -142,12 +143,9 @@ def train_specdec(traces: list[PromptTrace], cfg: ClassifierTrainConfig, max_dep
 
 def train_specdec_for(pipeline, cfg: ClassifierTrainConfig, prompts, progress: bool = True) -> dict:
     """Record (or reuse) the greedy traces of ``prompts`` (a :class:`~adaptree.offline.recording.TrainingPrompts`)
-    with the draft hidden states, then :func:`train_specdec`."""
-    from adaptree.offline.recording import training_traces
-
-    traces = training_traces(pipeline, prompts.trace_folder(cfg.out), prompts.prompts(), prompts.max_new_tokens,
-                             (EAGLE_TREE[0],), 12, progress=progress, hidden_dtype="float16")
-    return train_specdec(traces, cfg, progress=progress)
+    with the draft hidden states (:func:`~adaptree.methods.common.classifier.training_traces_for`), then
+    :func:`train_specdec`."""
+    return train_specdec(training_traces_for(pipeline, cfg, prompts, progress), cfg, progress=progress)
 
 
 DEFAULT_TRAINING = replace(ClassifierTrainConfig(), out="runs/specdec", epochs=EPOCHS)
