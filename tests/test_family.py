@@ -107,6 +107,25 @@ def test_family_index_round_trip_holds_out_and_validates(tmp_path):
     assert fam.names == names and len(fam.validation_bases) == 3
 
 
+def test_a_validation_band_is_validated_on_and_never_drawn(tmp_path):
+    from adaptree.offline.family import Member, family_around, synthetic, verify_ratio, write_index
+
+    members = [Member(f"m{i}", synthetic(0.0, g, 0.1, 0.01), held_out=False, source="test")
+               for i, g in enumerate((0.001, 0.01, 0.1, 0.5))]
+    index = str(write_index(members, tmp_path / "fam"))
+    r = [verify_ratio(m.model) for m in members]
+    fam = family_around(BILINEAR, [index], band=(r[1] * 0.99, r[2] * 0.99))  # m1 alone is in the band
+    assert fam.names == ["main", "m0", "m2", "m3", "m1"] and fam.validation_only == 1
+    assert fam.validation == [0, 1, 2, 3, 4] and fam.describe()["validation_only"] == ["m1"]
+    rng = np.random.default_rng(0)
+    assert all(fam.sample(rng) is not fam.bases[-1] for _ in range(200))  # never trained on
+    assert family_around(BILINEAR, [index]).validation_only == 0
+    with pytest.raises(ValueError, match=r"no training member of the family lies in the validation band \[50.0, 60.0\]"):
+        family_around(BILINEAR, [index], band=(50.0, 60.0))
+    with pytest.raises(ValueError, match="0 < lo < hi"):
+        family_around(BILINEAR, [index], band=(2.0, 1.0))
+
+
 def test_the_standard_family_holds_out_a_band_and_every_measured_member():
     from adaptree.offline.family import HELD_OUT_BAND, read_index, verify_ratio
 

@@ -443,6 +443,92 @@ def test_training_with_match_features(chain_traces, tmp_path):
     assert sum(c.chain for r in chosen.runs for c in r.cycles) > 0
 
 
+def split_policy(seed: int) -> MLPPolicy:
+    """A random size policy that divides the budget with the chain; its decisions follow the match features."""
+    obs = LTDObservation(width=W, max_depth=DMAX, use_match=True, chain_split=True)
+    torch.manual_seed(seed)
+    actions = [[v, k] for v in (2, 6, 12) for k in (0, 2, 8)]
+    pol = MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, actions, [16], observation=obs.to_dict())).eval()
+    with torch.no_grad():
+        pol.body[0].weight[:, -3:] *= 40.0
+    return pol
+
+
+def test_chain_split_gives_the_chain_its_part_of_the_budget(models):
+    """ChainRule.split: k = min(tokens, the chain, the budget) chain tokens, the head the largest V whose top nodes fit
+    the rest, chain tokens among them paid once; choose_chain then returns k, until the next cycle."""
+    from adaptree.core.context import ContextMatch
+    from adaptree.methods.common import ChainCalibration, ChainRule, shared_ranks
+
+    tree, _ = grow(models, 3)
+    order = torch.sort(tree.candidate_scores(), descending=True, stable=True).indices
+    first = tree.candidate_tokens()[tree.candidate_parents() == -1]
+    best = int(first[0])  # a chain through a head candidate shares its nodes; one off the head's tree shares none
+    off = next(t for t in range(1000) if t not in first.tolist())
+    rule = ChainRule(ChainCalibration(4, [1], np.full((1, 4), 0.5)), tokens=8)
+    for chain, shares in (([best, 3, 3, 3, 3, 3], True), ([off, 1, 2, 3, 4, 5, 6, 7], False)):
+        ranks = shared_ranks(tree, chain, order)
+        for budget in (1, 3, 7, 12):
+            for tokens in (0, 2, 4, 8):
+                rule.begin_match(ContextMatch(3, 1, 0, tuple(chain)), 10)
+                v = rule.split(tree, budget, tokens)
+                k = min(tokens, len(chain), budget)
+                paid = v + k - int((ranks[:k] < v).sum())
+                assert rule.choose(tree, type("P", (), {"chain": tuple(chain)})(), v) == k
+                assert 0 <= v <= budget and paid <= budget
+                assert v == budget or v + 1 + k - int((ranks[:k] < v + 1).sum()) > budget  # the largest that fits
+        assert (ranks.size > 0) == shares
+    rule.begin_match(None, 10)
+    assert rule.split(tree, 5, 8) == 5 and rule.chosen == 0  # no match: the whole budget is the head's
+
+
+def test_ltd_with_a_chain_split_is_lossless_and_replays_like_the_live_engine(models, chain_traces):
+    from adaptree.methods.common import ChainCalibration
+
+    target, head = models
+    cal = ChainCalibration.fit(chain_traces)
+
+    def make():
+        ctl = LTDController(LTDConfig(width=W, depth=DMAX), depth_policy=match_policy("depth", 1),
+                            size_policy=split_policy(3), chain_calibration=cal)
+        ctl.use_latency(LAT)
+        return ctl
+
+    assert make().sizes[:3] == [(2, 0), (2, 2), (2, 8)]
+    checks = lossless_replays(Engine(target, head), make, PROMPTS + REPEATS, chain_traces, N_NEW)
+    cycles = [c for check in checks for c in check.live.cycles]
+    assert sum(c.chain_accepted for c in cycles) > 0
+    assert max(c.chain for c in cycles if c.depth) <= 8  # the policy's part: at most its largest option
+    with pytest.raises(ValueError, match="chain_split needs use_match"):
+        LTDObservation(width=W, max_depth=DMAX, chain_split=True)
+    with pytest.raises(ValueError, match=r"\(size, chain tokens >= 0\) pair, got 4"):
+        LTDObservation(width=W, max_depth=DMAX, use_match=True, chain_split=True).action_of(4)
+
+
+def test_training_a_chain_split_with_a_validation_band(chain_traces, tmp_path):
+    """π_V trained over (size, chain tokens) actions; the depth stage runs against it sharing the environment's chain
+    rule; a validation band of the family index is validated on, never trained on."""
+    from adaptree.methods.common import CHAIN_SPLITS
+    from adaptree.methods.ltd.train import train_ltd
+    from adaptree.offline.family import Member, synthetic, verify_ratio, write_index
+
+    members = [Member(f"m{i}", synthetic(0.0, g, 0.1, 0.01), held_out=False, source="test")
+               for i, g in enumerate((0.001, 0.01, 0.1))]
+    index = str(write_index(members, tmp_path / "fam"))
+    band = (verify_ratio(members[1].model) * 0.99, verify_ratio(members[2].model) * 0.99)
+    cfg = tiny_train_config(tmp_path / "run", match=True, chain_tokens=8, chain_split=True, iterations=0,
+                            depth_partner="size", family=(index,), validation_band=band, costs=True)
+    s = train_ltd(cfg, chain_traces, LAT, progress=False)
+    size = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
+    assert size.config.actions == [[v, k] for v in (2, 4, 8, 16) for k in CHAIN_SPLITS]
+    assert LTDObservation.from_dict(size.config.observation).chain_split
+    assert s["settings"]["family"]["validation_only"] == ["m1"] and len(s["chosen"]["per_machine"]) == 4
+    with pytest.raises(ValueError, match="chain_split needs match"):
+        tiny_train_config(tmp_path / "x", chain_split=True)
+    with pytest.raises(ValueError, match="validation_band needs two numbers"):
+        tiny_train_config(tmp_path / "x", validation_band=(1.0, 2.0))
+
+
 # ----------------------------------------------------------------------------------------------------- machine costs
 
 CHEAP_DRAFT = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.0)

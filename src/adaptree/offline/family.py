@@ -106,6 +106,9 @@ class LatencyFamily:
         if not self.spread >= 1.0:
             raise ValueError(f"spread must be >= 1 (1 = no perturbation), got {self.spread}")
         self.names = list(self.names or [f"base{i}" for i in range(len(self.bases))])
+        if not 0 <= self.validation_only < len(self.bases):
+            raise ValueError(f"validation_only must leave at least one base to train on, got {self.validation_only} "
+                             f"of {len(self.bases)}")
         if self.validation is not None:
             self.validation = sorted({int(i) for i in self.validation})
             if not self.validation or not 0 <= self.validation[0] <= self.validation[-1] < len(self.bases):
@@ -113,6 +116,9 @@ class LatencyFamily:
 
     validation: list[int] | None = None
     """Indices of the bases a trainer validates on (None: all of them)."""
+    validation_only: int = 0
+    """How many of the last bases are validated on and never drawn for training (a validation band:
+    :func:`family_around`)."""
 
     @classmethod
     def from_files(cls, paths: Sequence[str | os.PathLike], spread: float = 1.0) -> "LatencyFamily":
@@ -125,7 +131,7 @@ class LatencyFamily:
         return self.bases if self.validation is None else [self.bases[i] for i in self.validation]
 
     def sample(self, rng: np.random.Generator) -> LatencyModel:
-        base = self.bases[int(rng.integers(len(self.bases)))]
+        base = self.bases[int(rng.integers(len(self.bases) - self.validation_only))]
         if self.spread == 1.0:
             return base
         f = np.exp(rng.uniform(-np.log(self.spread), np.log(self.spread), size=3))
@@ -138,6 +144,8 @@ class LatencyFamily:
                "cost_features": list(COST_FEATURES)}
         if self.validation is not None:
             out["validation"] = [self.names[i] for i in self.validation]
+        if self.validation_only:
+            out["validation_only"] = self.names[len(self.names) - self.validation_only:]
         return out
 
     def reference_costs(self) -> list[float]:
@@ -270,14 +278,21 @@ VALIDATION_MEMBERS = 12
 """How many training members a trainer validates on (spread over the index's order: every grid region)."""
 
 
-def load_members(paths: Sequence[str | os.PathLike]) -> tuple[list[LatencyModel], list[str], list[int] | None]:
+def in_band(model: LatencyModel, band: Sequence[float] | None) -> bool:
+    """Whether ``model``'s verification of 64 nodes costs ``band[0] <= ratio < band[1]`` rows (:func:`verify_ratio`)."""
+    return band is not None and band[0] <= verify_ratio(model) < band[1]
+
+
+def load_members(paths: Sequence[str | os.PathLike], band: Sequence[float] | None = None
+                 ) -> tuple[list[LatencyModel], list[str], list[int] | None]:
     """Latency models for a family: each path a latency model JSON, or a family index (``standard`` = the shipped
     one) of which only the members not held out are taken. Returns (models, names, validation indices): with an
     index, :data:`VALIDATION_MEMBERS` of its training members spread over it; else None (validate on all)."""
     models, names, val = [], [], None
     for p in paths:
         if is_index(p):
-            train = [m for m in read_index(STANDARD_INDEX if str(p) == "standard" else p) if not m.held_out]
+            train = [m for m in read_index(STANDARD_INDEX if str(p) == "standard" else p)
+                     if not m.held_out and not in_band(m.model, band)]
             if not train:
                 raise ValueError(f"family index {p} has no member that is not held out")
             first = len(models)
@@ -291,17 +306,28 @@ def load_members(paths: Sequence[str | os.PathLike]) -> tuple[list[LatencyModel]
     return models, names, val
 
 
-def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], spread: float = 1.0
-                  ) -> LatencyFamily | None:
+def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], spread: float = 1.0,
+                  band: Sequence[float] | None = None) -> LatencyFamily | None:
     """A trainer's family: ``latency`` (named ``main``) first, then every entry (:func:`load_members`: a latency
     model file, or a family index whose members not held out are taken), perturbed by ``spread``; validated on
     ``latency`` and the index's validation members (on all of them without an index). None without entries and
-    without a spread: the trainer runs on ``latency`` alone."""
+    without a spread: the trainer runs on ``latency`` alone.
+
+    ``band`` (a validation band, ``(lo, hi)`` verification ratios, :func:`in_band`): the indexes' training members in
+    it are never trained on; the trainer validates on them too (the family's last bases, ``validation_only``), so that
+    a checkpoint that only pays in the region it trained on is not chosen."""
     if not entries and spread == 1.0:
         return None
-    models, names, val = load_members(entries)
-    return LatencyFamily([latency, *models], spread, ["main", *names],
-                         None if val is None else [0, *(i + 1 for i in val)])
+    if band is not None and not 0 < band[0] < band[1]:
+        raise ValueError(f"a validation band needs 0 < lo < hi, got {list(band)}")
+    models, names, val = load_members(entries, band)
+    held = [m for p in entries if is_index(p) for m in read_index(STANDARD_INDEX if str(p) == "standard" else p)
+            if not m.held_out and in_band(m.model, band)]
+    if band is not None and not held:
+        raise ValueError(f"no training member of the family lies in the validation band {list(band)}")
+    n = 1 + len(models)  # members in the band (from an index: val is not None) come last
+    return LatencyFamily([latency, *models, *(m.model for m in held)], spread, ["main", *names, *(m.name for m in held)],
+                         None if val is None else [0, *(i + 1 for i in val), *range(n, n + len(held))], len(held))
 
 
 def _label(path: str | os.PathLike) -> str:

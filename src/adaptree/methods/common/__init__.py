@@ -14,6 +14,7 @@
 
 from adaptree.methods.common.ar_gate import ARGate
 from adaptree.methods.common.chain import (
+    CHAIN_SPLITS,
     DEFAULT_EDGES,
     MATCH_FEATURES,
     SAMPLED_TEMPERATURES,
@@ -26,5 +27,5 @@ from adaptree.methods.common.chain import (
 from adaptree.methods.common.machine_tree import SIZE_FACTORS, MachineTree
 from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam
 
-__all__ = ["ARGate", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
+__all__ = ["ARGate", "CHAIN_SPLITS", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
            "MATCH_FEATURES", "MachineTree", "SAMPLED_TEMPERATURES", "SIZE_FACTORS", "match_values", "shared_ranks"]

@@ -92,11 +92,19 @@ class LTDObservation:
     """π_D is also asked before the first draft forward (no scores yet: D = 0, the match, the costs, the machine
     tree): STOP there makes the cycle an AR step with the context's chain, the way hybrid skips the head when the
     context alone pays."""
+    chain_split: bool = False
+    """π_V's actions are (size, chain tokens) pairs: the size (a V, or a factor with ``relative_sizes``) is the
+    cycle's verified budget, the chain tokens (adaptree.methods.common.CHAIN_SPLITS) the part of it that goes to the
+    context chain, the head's top nodes the rest (:meth:`~adaptree.methods.common.ChainRule.split`); without it the
+    chain rule adds chain tokens after V is chosen."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
         if self.relative_sizes and not self.use_tree:
             raise ValueError("relative_sizes needs use_tree: the factors scale the machine tree's V")
+        if self.chain_split and not self.use_match:
+            raise ValueError("chain_split needs use_match: the policy divides the budget with the context chain it "
+                             "observes")
         if not self.score_floor < 0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         if self.score_scale <= 0 or self.length_scale <= 0:
@@ -207,6 +215,32 @@ class LTDObservation:
         return self._parts(tree.candidate_scores(), self.max_candidates, tree.depth, tree.context_len, costs, match,
                            machine)
 
+    def action_of(self, value) -> float | int | tuple[float, int]:
+        """A size action as the policy config stores it, checked: a V, a factor (``relative_sizes``), or with
+        ``chain_split`` a (size, chain tokens) pair."""
+        if self.chain_split:
+            if isinstance(value, (int, float, str)) or len(value) != 2 or int(value[1]) < 0:
+                raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0) pair, got {value!r}")
+            return self._size_value(value[0]), int(value[1])
+        return self._size_value(value)
+
+    def _size_value(self, value) -> float | int:
+        v = float(value) if self.relative_sizes else int(value)
+        if not v > 0:
+            raise ValueError(f"a size action must be > 0 (a V >= 1, or a factor), got {value!r}")
+        return v
+
+    def decide(self, action, tree: DraftTree, machine: MachineTree | None, chain) -> int:
+        """V of a size action (:meth:`action_of`'s) for ``tree``; with ``chain_split`` the chain rule ``chain`` (a
+        :class:`~adaptree.methods.common.ChainRule`) gets the chain's part of the budget."""
+        if not self.chain_split:
+            return self.size_of(action, tree.depth, machine)
+        if chain is None:
+            raise ValueError("this LTD size policy divides the budget with the context chain: it needs the chain rule "
+                             "(a chain calibration, --ltd-chain PATH)")
+        size, tokens = action
+        return chain.split(tree, self.size_of(size, tree.depth, machine), tokens)
+
     def size_of(self, action_value: float, depth: int, machine: MachineTree | None) -> int:
         """V of a size action's value (the policy config's ``actions`` entry): the V itself, or with
         ``relative_sizes`` that factor of the machine tree's best V at ``depth``."""
@@ -268,12 +302,14 @@ class LTDController(LearnedSeam, Controller):
     :param depth_policy, size_policy: loaded :class:`~adaptree.offline.policy.MLPPolicy` objects (override the
         config's folders; used by training to evaluate policies in memory).
     :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
+    :param chain_rule: a :class:`~adaptree.methods.common.ChainRule` to use instead of one of its own (a training
+        environment's, whose ``choose_chain`` then returns what this controller's split chose).
     """
 
     name = "ltd"
 
     def __init__(self, config: LTDConfig | None = None, depth_policy=None, size_policy=None,
-                 chain_calibration=None) -> None:
+                 chain_calibration=None, chain_rule=None) -> None:
         self.config = cfg = config or LTDConfig()
         self.name = {"both": "ltd", "depth": "ltd-depth", "size": "ltd-size"}[cfg.mode]
         self.depth_policy = self.size_policy = None
@@ -285,7 +321,7 @@ class LTDController(LearnedSeam, Controller):
         if cfg.mode in ("both", "size"):
             self.size_policy = size_policy or _load("size", cfg.size_policy)
             self.size_obs = LTDObservation.from_dict(self.size_policy.config.observation)
-            self.sizes = [float(v) if self.size_obs.relative_sizes else int(v) for v in self.size_policy.config.actions]
+            self.sizes = [self.size_obs.action_of(v) for v in self.size_policy.config.actions]
             obs.append(self.size_obs)
         for o in obs:
             if o.width != cfg.width:
@@ -300,9 +336,14 @@ class LTDController(LearnedSeam, Controller):
         self.depth_costs = self.size_costs = None
         self.observes = any(o.use_match for o in obs)
         self.start_runtime(cfg, chain_calibration, self.observes)
+        if chain_rule is not None:  # a training environment's: what the split chose is what it verifies
+            self.chain_rule = chain_rule
+        if self.size_policy is not None and self.size_obs.chain_split and self.chain_rule is None:
+            raise ValueError("this LTD size policy divides the budget with the context chain: chain_tokens must be "
+                             ">= 1")
         self.match: list[float] | None = None
-        min_size = 1 if self.size_policy is not None and self.size_obs.relative_sizes else (
-            min(self.sizes) if self.size_policy is not None else self.plan.size)
+        min_size = 1 if self.size_policy is not None and (self.size_obs.relative_sizes or self.size_obs.chain_split) \
+            else (min(self.sizes) if self.size_policy is not None else self.plan.size)
         self.smallest = (self.plan.width, min_size, self.plan.max_depth)
         self.load_latency(cfg)
 
@@ -333,4 +374,4 @@ class LTDController(LearnedSeam, Controller):
         obs = self.size_obs
         head, tail = obs.size_parts(tree, self.size_costs, self.match, self.machine_tree)  # mostly padding: skipped
         a = self.size_policy.act_padded(head, obs.pad_value, obs.max_candidates, tail)
-        return obs.size_of(self.sizes[a], tree.depth, self.machine_tree)
+        return obs.decide(self.sizes[a], tree, self.machine_tree, self.chain_rule)

@@ -72,19 +72,20 @@ class SizeEnv(_LTDEnv):
 
     def __init__(self, source, observation, inner, sizes: Sequence[float], **kwargs) -> None:
         self.obs_spec = observation
-        self.sizes = [float(v) if observation.relative_sizes else int(v) for v in sizes]
-        if not self.sizes or min(self.sizes) <= 0 or (not observation.relative_sizes and min(self.sizes) < 1):
-            raise ValueError(f"sizes must be a non-empty list of V >= 1 (factors > 0 with relative sizes), got "
-                             f"{sizes!r}")
+        if not sizes:
+            raise ValueError("sizes must be a non-empty list of size actions")
+        self.sizes = [observation.action_of(v) for v in sizes]
         super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
-        self._depth = 1
+        if observation.chain_split and self.chain is None:
+            raise ValueError("a chain-split size policy trains in an environment with a chain rule (chain=...)")
+        self._tree: DraftTree | None = None
 
     def observe(self, tree: DraftTree) -> np.ndarray:
-        self._depth = tree.depth  # what a relative size action scales
+        self._tree = tree  # what the action's V (and split) is taken on
         return self.obs_spec.size_obs(tree, self.costs, self.match(), self.machine).numpy()
 
     def size_of(self, action: int) -> int:
-        return self.obs_spec.size_of(self.sizes[action], self._depth, self.machine)
+        return self.obs_spec.decide(self.sizes[action], self._tree, self.machine, self.chain)
 
 
 class RandomDepthController(Controller):

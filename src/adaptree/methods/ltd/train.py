@@ -52,7 +52,7 @@ import torch
 
 from adaptree.core.config import at_least, between, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
-from adaptree.methods.common import SIZE_FACTORS, ChainCalibration, ChainRule
+from adaptree.methods.common import CHAIN_SPLITS, SIZE_FACTORS, ChainCalibration, ChainRule
 from adaptree.methods.ltd.controller import (
     LTD_SIZES,
     LTDConfig,
@@ -156,6 +156,14 @@ class LTDTrainConfig:
     first_decision: bool = False
     """π_D is also asked before the first draft forward: STOP makes the cycle an AR step with the context's chain
     (with ``init``, added to the init pair's observation)."""
+    validation_band: tuple[float, ...] = ()
+    """``(lo, hi)``: the family index's training members whose verification of 64 nodes costs lo..hi rows are not
+    trained on but validated on (checkpoints and the iteration pair are chosen on them too): a region held out so that
+    a policy that only pays where it trained (the first decision's "chain alone") is caught. Empty: none."""
+    chain_split: bool = False
+    """π_V chooses the cycle's verified budget and the context chain's part of it (adaptree.methods.common.CHAIN_SPLITS
+    tokens; the head gets the rest) instead of V alone with the chain rule adding chain tokens after it. Needs
+    ``match``."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -175,6 +183,12 @@ class LTDTrainConfig:
         self.family = tuple(str(f) for f in self.family)
         if self.only == "depth" and self.depth_partner == "size":
             raise ValueError("--only depth trains the depth policy alone: it needs --depth-partner fixed")
+        self.validation_band = tuple(float(x) for x in self.validation_band)
+        if self.validation_band and (len(self.validation_band) != 2 or not self.family):
+            raise ValueError(f"validation_band needs two numbers (lo, hi) and a family index, got "
+                             f"{list(self.validation_band)}")
+        if self.chain_split and not self.match:
+            raise ValueError("chain_split needs match: the size policy divides the budget with the context chain")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")
@@ -183,12 +197,14 @@ class LTDTrainConfig:
         return LTDObservation(width=self.width, max_depth=self.max_depth, use_depth=self.use_depth,
                               use_length=self.use_length, use_costs=self.costs, reference_costs=reference_costs,
                               use_match=self.match, use_tree=self.machine_tree, relative_sizes=self.machine_tree,
-                              first_decision=self.first_decision)
+                              first_decision=self.first_decision, chain_split=self.chain_split)
 
     @property
     def size_actions(self) -> list:
-        """The size policy's actions: V values, or factors of the machine tree's V (``machine_tree``)."""
-        return list(SIZE_FACTORS) if self.machine_tree else list(self.sizes)
+        """The size policy's actions: V values, or factors of the machine tree's V (``machine_tree``); with
+        ``chain_split`` each paired with every chain share."""
+        sizes = list(SIZE_FACTORS) if self.machine_tree else list(self.sizes)
+        return [[v, k] for v in sizes for k in CHAIN_SPLITS] if self.chain_split else sizes
 
     def stages(self) -> list[str]:
         if self.only:
@@ -202,7 +218,7 @@ class LTDTrainConfig:
         ``family`` (a latency model file, or a family index whose members not held out are taken)."""
         from adaptree.offline.family import family_around
 
-        return family_around(latency, self.family, self.spread)
+        return family_around(latency, self.family, self.spread, self.validation_band or None)
 
 
 def _lr_schedule(lr: float, warmup: float):
@@ -220,12 +236,13 @@ def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list
 
 
 def _ltd(cfg: LTDTrainConfig, depth_policy: MLPPolicy | None = None, size_policy: MLPPolicy | None = None,
-         chain_cal=None, **shape) -> LTDController:
+         chain_cal=None, chain_rule=None, **shape) -> LTDController:
     """An LTD controller of in-memory policies, as training evaluates it: the policies alone (no AR fallback), with
-    the run's context chain when it trains with ``match`` (``chain_cal``: the run's chain calibration)."""
+    the run's context chain when it trains with ``match`` (``chain_cal``: the run's chain calibration; ``chain_rule``:
+    an environment's rule, shared)."""
     chain = dict(chain_tokens=cfg.chain_tokens) if cfg.match else {}
     return LTDController(LTDConfig(width=cfg.width, ar_fallback=False, **chain, **shape), depth_policy=depth_policy,
-                         size_policy=size_policy, chain_calibration=chain_cal)
+                         size_policy=size_policy, chain_calibration=chain_cal, chain_rule=chain_rule)
 
 
 class _Stage:
@@ -251,8 +268,9 @@ class _Stage:
         return MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(c.depth_pi), "tanh",
                                obs.to_dict())
 
-    def inner(self, rng: np.random.Generator):
-        """The other decisions during training."""
+    def inner(self, rng: np.random.Generator, chain=None):
+        """The other decisions during training (``chain``: the environment's chain rule, which a chain-split size
+        partner divides the budget with)."""
         c = self.cfg
         if self.kind == "size":
             if self.partner is None:
@@ -260,7 +278,8 @@ class _Stage:
             return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner, chain_cal=self.chain_cal)
         if self.partner is None:
             return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
-        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner, chain_cal=self.chain_cal)
+        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner, chain_cal=self.chain_cal,
+                    chain_rule=chain)
 
     def controller(self, policy: MLPPolicy) -> LTDController:
         """How the stage's policy is validated (see the module docstring)."""
@@ -276,9 +295,13 @@ class _Stage:
     def make_env(self, source, seed: int):
         c, obs = self.cfg, self.obs
         chain = ChainRule(self.chain_cal, c.chain_tokens) if c.match else None  # one per environment: it has state
+
+        def inner(rng: np.random.Generator):
+            return self.inner(rng, chain)
+
         if self.kind == "size":
-            return SizeEnv(source, obs, self.inner, sizes=c.size_actions, reward=c.reward, seed=seed, chain=chain)
-        return DepthEnv(source, obs, self.inner, reward=c.reward, seed=seed, chain=chain)
+            return SizeEnv(source, obs, inner, sizes=c.size_actions, reward=c.reward, seed=seed, chain=chain)
+        return DepthEnv(source, obs, inner, reward=c.reward, seed=seed, chain=chain)
 
 
 def evaluate(controller, traces: list, latency) -> dict:
