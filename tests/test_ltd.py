@@ -9,6 +9,8 @@ import pytest
 import torch
 from ties import assert_mostly_exact, lossless_replays, replay_against_live
 
+from adaptree.core.context import ContextMatch
+from adaptree.core.controller import TreePlan
 from adaptree.core.engine import Engine
 from adaptree.core.tree import DraftTree
 from adaptree.methods import StaticConfig, StaticController, make_controller
@@ -444,49 +446,33 @@ def test_training_with_match_features(chain_traces, tmp_path):
 
 
 def split_policy(seed: int) -> MLPPolicy:
-    """A random size policy that divides the budget with the chain; its decisions follow the match features."""
+    """A random size policy that sizes the chain too; its decisions follow the match features."""
     obs = LTDObservation(width=W, max_depth=DMAX, use_match=True, chain_split=True)
     torch.manual_seed(seed)
-    actions = [[v, k] for v in (2, 6, 12) for k in (0, 2, 8)]
+    actions = [[v, k] for v in (2, 6, 12) for k in (-1, 0, 2, 8)]
     pol = MLPPolicy(MLPPolicyConfig("ltd-size", obs.size_dim, actions, [16], observation=obs.to_dict())).eval()
     with torch.no_grad():
         pol.body[0].weight[:, -3:] *= 40.0
     return pol
 
 
-def test_chain_split_gives_the_chain_its_part_of_the_budget(models):
-    """ChainRule.split: k = min(tokens, the chain, the budget) chain tokens, the head the largest V whose top nodes fit
-    the rest, chain tokens among them paid once; choose_chain then returns k, until the next cycle."""
-    from adaptree.core.context import ContextMatch
-    from adaptree.methods.common import ChainCalibration, ChainRule, shared_ranks
-
-    tree, _ = grow(models, 3)
-    order = torch.sort(tree.candidate_scores(), descending=True, stable=True).indices
-    first = tree.candidate_tokens()[tree.candidate_parents() == -1]
-    best = int(first[0])  # a chain through a head candidate shares its nodes; one off the head's tree shares none
-    off = next(t for t in range(1000) if t not in first.tolist())
-    rule = ChainRule(ChainCalibration(4, [1], np.full((1, 4), 0.5)), tokens=8)
-    for chain, shares in (([best, 3, 3, 3, 3, 3], True), ([off, 1, 2, 3, 4, 5, 6, 7], False)):
-        ranks = shared_ranks(tree, chain, order)
-        for budget in (1, 3, 7, 12):
-            for tokens in (0, 2, 4, 8):
-                rule.begin_match(ContextMatch(3, 1, 0, tuple(chain)), 10)
-                v = rule.split(tree, budget, tokens)
-                k = min(tokens, len(chain), budget)
-                paid = v + k - int((ranks[:k] < v).sum())
-                assert rule.choose(tree, type("P", (), {"chain": tuple(chain)})(), v) == k
-                assert 0 <= v <= budget and paid <= budget
-                assert v == budget or v + 1 + k - int((ranks[:k] < v + 1).sum()) > budget  # the largest that fits
-        assert (ranks.size > 0) == shares
-    rule.begin_match(None, 10)
-    assert rule.split(tree, 5, 8) == 5 and rule.chosen == 0  # no match: the whole budget is the head's
-
-
-def test_ltd_with_a_chain_split_is_lossless_and_replays_like_the_live_engine(models, chain_traces):
-    from adaptree.methods.common import ChainCalibration
+def test_a_size_policy_that_fixes_the_chain(models, chain_traces):
+    """With chain_split π_V's actions are (V, chain) pairs: a token count the chain rule then returns (all of a shorter
+    chain), or RULE: the rule's priced length. Lossless, and the replay makes the live decisions."""
+    from adaptree.methods.common import RULE, ChainCalibration, ChainRule
 
     target, head = models
     cal = ChainCalibration.fit(chain_traces)
+    rule = ChainRule(cal, tokens=8)
+    rule.begin_match(ContextMatch(3, 1, 0, (5, 6, 7)), 10)
+    plan = TreePlan(W, 2, 4, chain=(5, 6, 7))
+    for tokens, k in ((0, 0), (2, 2), (8, 3)):
+        rule.fix(tokens)
+        assert rule.choose(None, plan, 4) == k
+    rule.fix(RULE)
+    assert rule.choose(None, plan, 4) == 3  # no latency model: the rule verifies the whole chain
+    with pytest.raises(ValueError, match="token count >= 0, got -3"):
+        rule.fix(-3)
 
     def make():
         ctl = LTDController(LTDConfig(width=W, depth=DMAX), depth_policy=match_policy("depth", 1),
@@ -494,21 +480,37 @@ def test_ltd_with_a_chain_split_is_lossless_and_replays_like_the_live_engine(mod
         ctl.use_latency(LAT)
         return ctl
 
-    assert make().sizes[:3] == [(2, 0), (2, 2), (2, 8)]
+    assert make().sizes[:4] == [(2, -1), (2, 0), (2, 2), (2, 8)]
     checks = lossless_replays(Engine(target, head), make, PROMPTS + REPEATS, chain_traces, N_NEW)
     cycles = [c for check in checks for c in check.live.cycles]
     assert sum(c.chain_accepted for c in cycles) > 0
-    assert max(c.chain for c in cycles if c.depth) <= 8  # the policy's part: at most its largest option
     with pytest.raises(ValueError, match="chain_split needs use_match"):
         LTDObservation(width=W, max_depth=DMAX, chain_split=True)
-    with pytest.raises(ValueError, match=r"\(size, chain tokens >= 0\) pair, got 4"):
+    with pytest.raises(ValueError, match=r"\(size, chain tokens >= 0 or -1 for the rule\) pair, got 4"):
         LTDObservation(width=W, max_depth=DMAX, use_match=True, chain_split=True).action_of(4)
 
 
-def test_training_a_chain_split_with_a_validation_band(chain_traces, tmp_path):
-    """π_V trained over (size, chain tokens) actions; the depth stage runs against it sharing the environment's chain
-    rule; a validation band of the family index is validated on, never trained on."""
-    from adaptree.methods.common import CHAIN_SPLITS
+def test_a_plain_size_policy_gets_chain_options_with_its_decisions(models):
+    from adaptree.methods.common import CHAIN_OPTIONS, RULE
+    from adaptree.methods.ltd.train import with_chain_options
+
+    plain = match_policy("size", 4)
+    split = with_chain_options(plain)
+    assert split.config.actions == [[v, k] for v in plain.config.actions for k in CHAIN_OPTIONS]
+    assert LTDObservation.from_dict(split.config.observation).chain_split
+    tree, _ = grow(models, 3)
+    obs = LTDObservation.from_dict(plain.config.observation)
+    for match in ([0.9, 0.5, 1.0], [0.1, 0.0, 0.1], [0.0, 0.0, 0.0]):
+        x = obs.size_obs(tree, match=match)
+        assert split.config.actions[split.act(x)] == [plain.config.actions[plain.act(x)], RULE]
+    with pytest.raises(ValueError, match="does not size the chain"):
+        with_chain_options(split)
+
+
+def test_training_a_chain_split_fine_tune_with_a_validation_band(chain_traces, tmp_path):
+    """π_V trained over (V, chain) actions from a plain pair; the depth stage runs against it sharing the environment's
+    chain rule; a validation band of the family index is validated on, never trained on."""
+    from adaptree.methods.common import CHAIN_OPTIONS
     from adaptree.methods.ltd.train import train_ltd
     from adaptree.offline.family import Member, synthetic, verify_ratio, write_index
 
@@ -516,11 +518,12 @@ def test_training_a_chain_split_with_a_validation_band(chain_traces, tmp_path):
                for i, g in enumerate((0.001, 0.01, 0.1))]
     index = str(write_index(members, tmp_path / "fam"))
     band = (verify_ratio(members[1].model) * 0.99, verify_ratio(members[2].model) * 0.99)
-    cfg = tiny_train_config(tmp_path / "run", match=True, chain_tokens=8, chain_split=True, iterations=0,
-                            depth_partner="size", family=(index,), validation_band=band, costs=True)
-    s = train_ltd(cfg, chain_traces, LAT, progress=False)
-    size = MLPPolicy.load(tmp_path / "run/policy/size", kind="ltd-size")
-    assert size.config.actions == [[v, k] for v in (2, 4, 8, 16) for k in CHAIN_SPLITS]
+    common = dict(match=True, chain_tokens=8, family=(index,), validation_band=band, costs=True)
+    train_ltd(tiny_train_config(tmp_path / "run", iterations=0, **common), chain_traces, LAT, progress=False)
+    s = train_ltd(tiny_train_config(tmp_path / "ft", chain_split=True, iterations=2, init=str(tmp_path / "run/policy"),
+                                    **common), chain_traces, LAT, progress=False)
+    size = MLPPolicy.load(tmp_path / "ft/iter1-size/policy", kind="ltd-size")
+    assert size.config.actions == [[v, k] for v in (2, 4, 8, 16) for k in CHAIN_OPTIONS]
     assert LTDObservation.from_dict(size.config.observation).chain_split
     assert s["settings"]["family"]["validation_only"] == ["m1"] and len(s["chosen"]["per_machine"]) == 4
     with pytest.raises(ValueError, match="chain_split needs match"):

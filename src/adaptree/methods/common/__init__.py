@@ -14,9 +14,10 @@
 
 from adaptree.methods.common.ar_gate import ARGate
 from adaptree.methods.common.chain import (
-    CHAIN_SPLITS,
+    CHAIN_OPTIONS,
     DEFAULT_EDGES,
     MATCH_FEATURES,
+    RULE,
     SAMPLED_TEMPERATURES,
     ChainCalibration,
     ChainRule,
@@ -27,5 +28,5 @@ from adaptree.methods.common.chain import (
 from adaptree.methods.common.machine_tree import SIZE_FACTORS, MachineTree
 from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam
 
-__all__ = ["ARGate", "CHAIN_SPLITS", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime", "LearnedSeam",
-           "MATCH_FEATURES", "MachineTree", "SAMPLED_TEMPERATURES", "SIZE_FACTORS", "match_values", "shared_ranks"]
+__all__ = ["ARGate", "CHAIN_OPTIONS", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime",
+           "LearnedSeam", "MATCH_FEATURES", "MachineTree", "RULE", "SAMPLED_TEMPERATURES", "SIZE_FACTORS", "match_values", "shared_ranks"]

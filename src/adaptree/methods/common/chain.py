@@ -331,9 +331,11 @@ def shared_ranks(tree, chain: Sequence[int], order: torch.Tensor) -> np.ndarray:
     return np.asarray(out, np.int64)
 
 
-CHAIN_SPLITS = (0, 2, 4, 8, 16)
-"""A split policy's chain options (:meth:`ChainRule.split`): how many nodes of the cycle's verified budget go to the
-context chain (fewer when the chain is shorter)."""
+RULE = -1
+"""The chain option that leaves the chain's length to :class:`ChainRule`'s pricing."""
+CHAIN_OPTIONS = (RULE, 0, 4, 8, 16)
+"""A policy's chain options (:meth:`ChainRule.fix`): the rule's length, or that many of the chain's tokens (all of a
+shorter chain)."""
 
 MATCH_FEATURES = ("chain_first", "chain_expected", "match_length")
 """What a learned policy observes of the cycle's context match (:meth:`ChainRule.features`), whatever the chain's
@@ -371,9 +373,9 @@ class ChainRule:
       ``context_index``).
     * :meth:`begin` (in ``begin_cycle``): the longest earlier match of the context; its continuation (``tokens``
       long) is the plan's chain; :meth:`features` describe it (:data:`MATCH_FEATURES`).
-    * :meth:`split` (a policy's ``choose_size``): the policy chose the cycle's verified budget and the chain's part of
-      it; the head gets the rest (its top nodes), and :meth:`choose` then returns the chain's part.
-    * :meth:`choose` (``choose_chain``): after :meth:`split`, its chain length; else, with a latency model, the chain
+    * :meth:`fix` (a policy's ``choose_size``): the policy chose the chain's length next to its V (one of
+      :data:`CHAIN_OPTIONS`); :meth:`choose` then returns it.
+    * :meth:`choose` (``choose_chain``): after :meth:`fix`, its length; else, with a latency model, the chain
       length ``k`` that maximises
       ``C(max(k, s)) - C(s) - rate * (verify(V + max(0, k - s)) - verify(V))``, ``C`` the calibrated expected
       accepted chain tokens at the cycle's temperature (:meth:`ChainCalibration.probs`), ``s`` the chain's first
@@ -418,7 +420,7 @@ class ChainRule:
 
     def begin_match(self, match: ContextMatch | None, context_len: int, temperature: float = 0.0) -> tuple[int, ...]:
         self.match, self.context_len, self.temperature = match, int(context_len), float(temperature)
-        self.chosen: int | None = None  # the chain length a policy's split chose this cycle
+        self.chosen: int | None = None  # the chain length a policy fixed this cycle (None: the rule's)
         self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match, temperature=temperature))])  # C(k)
         return match.tokens if match is not None else ()
 
@@ -439,21 +441,11 @@ class ChainRule:
                            temperature=self.temperature)
         return [float(c[0]), float(c.mean()), min(m.length, MATCH_LENGTH_SCALE) / MATCH_LENGTH_SCALE]
 
-    def split(self, tree, budget: int, tokens: int) -> int:
-        """Divide a verified budget of ``budget`` nodes: ``tokens`` of them (at most the match's chain and the budget)
-        go to the chain, which :meth:`choose` then returns; returns the head's V, the largest whose top nodes fit
-        the rest. The chain's first tokens that are among the head's top-V nodes are one node each, paid once (as
-        :meth:`choose` and hybrid count them), so they leave room for more head nodes."""
-        budget = max(1, int(budget))
-        chain = self.match.tokens if self.match is not None else ()
-        k = self.chosen = min(int(tokens), len(chain), budget)
-        if k == 0 or tree is None:
-            return budget
-        order = torch.sort(tree.candidate_scores(), descending=True, stable=True).indices
-        ranks = shared_ranks(tree, chain[:k], order)
-        v = np.arange(budget + 1)
-        s = (ranks[None, :] < v[:, None]).sum(1) if ranks.size else np.zeros(v.size, np.int64)
-        return int(v[v + k - s <= budget].max())  # V = 0 always fits: k <= budget
+    def fix(self, tokens: int) -> None:
+        """This cycle's chain: ``tokens`` of it (all of a shorter chain), or the rule's length (:data:`RULE`)."""
+        if tokens != RULE and tokens < 0:
+            raise ValueError(f"a chain option is {RULE} (the rule's length) or a token count >= 0, got {tokens}")
+        self.chosen = None if tokens == RULE else int(tokens)
 
     def choose(self, tree, plan, size: int) -> int:
         """How many of ``plan.chain``'s tokens to verify next to the head's top-``size`` nodes of ``tree``."""
@@ -476,5 +468,5 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["CHAIN_SPLITS", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "SAMPLED_TEMPERATURES",
+__all__ = ["CHAIN_OPTIONS", "RULE", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "SAMPLED_TEMPERATURES",
            "match_values", "shared_ranks"]

@@ -93,18 +93,16 @@ class LTDObservation:
     tree): STOP there makes the cycle an AR step with the context's chain, the way hybrid skips the head when the
     context alone pays."""
     chain_split: bool = False
-    """π_V's actions are (size, chain tokens) pairs: the size (a V, or a factor with ``relative_sizes``) is the
-    cycle's verified budget, the chain tokens (adaptree.methods.common.CHAIN_SPLITS) the part of it that goes to the
-    context chain, the head's top nodes the rest (:meth:`~adaptree.methods.common.ChainRule.split`); without it the
-    chain rule adds chain tokens after V is chosen."""
+    """π_V's actions are (size, chain) pairs: the head's V (or its factor, ``relative_sizes``) and how many of the
+    context chain's tokens are verified next to it (adaptree.methods.common.CHAIN_OPTIONS: a count, or the chain
+    rule's price-based length); without it the chain rule sizes the chain after V is chosen."""
 
     def __post_init__(self) -> None:
         check_shape(self.width, self.max_depth, 1, "max_depth")
         if self.relative_sizes and not self.use_tree:
             raise ValueError("relative_sizes needs use_tree: the factors scale the machine tree's V")
         if self.chain_split and not self.use_match:
-            raise ValueError("chain_split needs use_match: the policy divides the budget with the context chain it "
-                             "observes")
+            raise ValueError("chain_split needs use_match: the policy sizes the context chain it observes")
         if not self.score_floor < 0:
             raise ValueError(f"score_floor must be < 0, got {self.score_floor}")
         if self.score_scale <= 0 or self.length_scale <= 0:
@@ -217,10 +215,13 @@ class LTDObservation:
 
     def action_of(self, value) -> float | int | tuple[float, int]:
         """A size action as the policy config stores it, checked: a V, a factor (``relative_sizes``), or with
-        ``chain_split`` a (size, chain tokens) pair."""
+        ``chain_split`` a (size, chain option) pair."""
         if self.chain_split:
-            if isinstance(value, (int, float, str)) or len(value) != 2 or int(value[1]) < 0:
-                raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0) pair, got {value!r}")
+            from adaptree.methods.common import RULE
+
+            if isinstance(value, (int, float, str)) or len(value) != 2 or not (int(value[1]) >= 0 or value[1] == RULE):
+                raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0 or {RULE} for the rule) pair, "
+                                 f"got {value!r}")
             return self._size_value(value[0]), int(value[1])
         return self._size_value(value)
 
@@ -232,14 +233,15 @@ class LTDObservation:
 
     def decide(self, action, tree: DraftTree, machine: MachineTree | None, chain) -> int:
         """V of a size action (:meth:`action_of`'s) for ``tree``; with ``chain_split`` the chain rule ``chain`` (a
-        :class:`~adaptree.methods.common.ChainRule`) gets the chain's part of the budget."""
+        :class:`~adaptree.methods.common.ChainRule`) is told the chain's length too."""
         if not self.chain_split:
             return self.size_of(action, tree.depth, machine)
         if chain is None:
-            raise ValueError("this LTD size policy divides the budget with the context chain: it needs the chain rule "
-                             "(a chain calibration, --ltd-chain PATH)")
+            raise ValueError("this LTD size policy sizes the context chain too: it needs the chain rule (a chain "
+                             "calibration, --ltd-chain PATH)")
         size, tokens = action
-        return chain.split(tree, self.size_of(size, tree.depth, machine), tokens)
+        chain.fix(tokens)
+        return self.size_of(size, tree.depth, machine)
 
     def size_of(self, action_value: float, depth: int, machine: MachineTree | None) -> int:
         """V of a size action's value (the policy config's ``actions`` entry): the V itself, or with
@@ -303,7 +305,7 @@ class LTDController(LearnedSeam, Controller):
         config's folders; used by training to evaluate policies in memory).
     :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
     :param chain_rule: a :class:`~adaptree.methods.common.ChainRule` to use instead of one of its own (a training
-        environment's, whose ``choose_chain`` then returns what this controller's split chose).
+        environment's, whose ``choose_chain`` then returns the chain this controller's size policy chose).
     """
 
     name = "ltd"
@@ -336,11 +338,10 @@ class LTDController(LearnedSeam, Controller):
         self.depth_costs = self.size_costs = None
         self.observes = any(o.use_match for o in obs)
         self.start_runtime(cfg, chain_calibration, self.observes)
-        if chain_rule is not None:  # a training environment's: what the split chose is what it verifies
+        if chain_rule is not None:  # a training environment's: the chain the size policy chose is what it verifies
             self.chain_rule = chain_rule
         if self.size_policy is not None and self.size_obs.chain_split and self.chain_rule is None:
-            raise ValueError("this LTD size policy divides the budget with the context chain: chain_tokens must be "
-                             ">= 1")
+            raise ValueError("this LTD size policy sizes the context chain too: chain_tokens must be >= 1")
         self.match: list[float] | None = None
         min_size = 1 if self.size_policy is not None and (self.size_obs.relative_sizes or self.size_obs.chain_split) \
             else (min(self.sizes) if self.size_policy is not None else self.plan.size)

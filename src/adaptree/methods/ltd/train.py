@@ -52,7 +52,7 @@ import torch
 
 from adaptree.core.config import at_least, between, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
-from adaptree.methods.common import CHAIN_SPLITS, SIZE_FACTORS, ChainCalibration, ChainRule
+from adaptree.methods.common import CHAIN_OPTIONS, RULE, SIZE_FACTORS, ChainCalibration, ChainRule
 from adaptree.methods.ltd.controller import (
     LTD_SIZES,
     LTDConfig,
@@ -161,9 +161,11 @@ class LTDTrainConfig:
     trained on but validated on (checkpoints and the iteration pair are chosen on them too): a region held out so that
     a policy that only pays where it trained (the first decision's "chain alone") is caught. Empty: none."""
     chain_split: bool = False
-    """π_V chooses the cycle's verified budget and the context chain's part of it (adaptree.methods.common.CHAIN_SPLITS
-    tokens; the head gets the rest) instead of V alone with the chain rule adding chain tokens after it. Needs
-    ``match``."""
+    """π_V chooses how the cycle's verified nodes divide between the head and the context chain: V and the chain's
+    length (adaptree.methods.common.CHAIN_OPTIONS: a token count, or the chain rule's length) together, instead of V
+    alone with the rule sizing the chain after it. Needs ``match``. With ``init`` (a plain size policy), each of its
+    V actions is paired with every chain option, the rule's keeping its logit and the others starting
+    ``CHAIN_INIT_GAP`` below it: the fine-tune starts from the init pair's decisions."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -188,7 +190,7 @@ class LTDTrainConfig:
             raise ValueError(f"validation_band needs two numbers (lo, hi) and a family index, got "
                              f"{list(self.validation_band)}")
         if self.chain_split and not self.match:
-            raise ValueError("chain_split needs match: the size policy divides the budget with the context chain")
+            raise ValueError("chain_split needs match: the size policy sizes the context chain it observes")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")
@@ -202,9 +204,9 @@ class LTDTrainConfig:
     @property
     def size_actions(self) -> list:
         """The size policy's actions: V values, or factors of the machine tree's V (``machine_tree``); with
-        ``chain_split`` each paired with every chain share."""
+        ``chain_split`` each paired with every chain option."""
         sizes = list(SIZE_FACTORS) if self.machine_tree else list(self.sizes)
-        return [[v, k] for v in sizes for k in CHAIN_SPLITS] if self.chain_split else sizes
+        return [[v, k] for v in sizes for k in CHAIN_OPTIONS] if self.chain_split else sizes
 
     def stages(self) -> list[str]:
         if self.only:
@@ -269,8 +271,8 @@ class _Stage:
                                obs.to_dict())
 
     def inner(self, rng: np.random.Generator, chain=None):
-        """The other decisions during training (``chain``: the environment's chain rule, which a chain-split size
-        partner divides the budget with)."""
+        """The other decisions during training (``chain``: the environment's chain rule, whose length a chain-split
+        size partner chooses)."""
         c = self.cfg
         if self.kind == "size":
             if self.partner is None:
@@ -411,10 +413,39 @@ def _settings(cfg: LTDTrainConfig, fingerprints: dict, family) -> dict:
     return settings_of(cfg, skip=("out", "threads", "eval_every"), extra=extra)
 
 
+CHAIN_INIT_GAP = 2.0
+"""How far below the rule's logit a plain size policy's other chain options start (``chain_split`` with ``init``):
+argmax keeps the init's decisions, PPO samples the others about a third of the time at first."""
+
+
+def with_chain_options(policy: MLPPolicy, gap: float = CHAIN_INIT_GAP) -> MLPPolicy:
+    """A plain size policy as a chain-split one: each V action paired with every chain option (CHAIN_OPTIONS), the
+    rule's with the V's logit, the others ``gap`` below it (the same decisions under argmax)."""
+    import copy
+
+    obs = LTDObservation.from_dict(policy.config.observation)
+    if obs.chain_split or not obs.use_match:
+        raise ValueError("with_chain_options needs a size policy that observes the match and does not size the chain")
+    cfg = copy.deepcopy(policy.config)
+    cfg.actions = [[v, k] for v in policy.config.actions for k in CHAIN_OPTIONS]
+    cfg.observation = {**policy.config.observation, "chain_split": True}
+    out = MLPPolicy(cfg)
+    n = len(CHAIN_OPTIONS)
+    with torch.no_grad():
+        out.body.load_state_dict(policy.body.state_dict())
+        out.head.weight.copy_(policy.head.weight.repeat_interleave(n, 0))
+        offset = torch.tensor([0.0 if k == RULE else -gap for k in CHAIN_OPTIONS]).repeat(len(policy.config.actions))
+        out.head.bias.copy_(policy.head.bias.repeat_interleave(n) + offset)
+    return out.eval()
+
+
 def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
-    """The fine-tune's starting pair, checked against the run's settings."""
+    """The fine-tune's starting pair, checked against the run's settings (a plain size policy given chain options
+    with ``chain_split``)."""
     folder = Path(cfg.init)
     pair = {f"init-{k}": MLPPolicy.load(folder / k, kind=f"ltd-{k}") for k in ("depth", "size")}
+    if cfg.chain_split and not LTDObservation.from_dict(pair["init-size"].config.observation).chain_split:
+        pair["init-size"] = with_chain_options(pair["init-size"])
     for name, p in pair.items():
         o = LTDObservation.from_dict(p.config.observation)
         if (o.width, o.max_depth, o.use_costs, o.use_match, o.use_tree) != (cfg.width, cfg.max_depth, cfg.costs,
@@ -466,7 +497,8 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     policies: dict[str, MLPPolicy] = _init_pair(cfg) if cfg.init else {}
     if policies:
         obs = LTDObservation.from_dict(policies["init-depth"].config.observation)
-        obs = dataclasses.replace(obs, first_decision=cfg.first_decision)  # a fine-tune may add the first decision
+        # a fine-tune may add the first decision and the chain's length
+        obs = dataclasses.replace(obs, first_decision=cfg.first_decision, chain_split=cfg.chain_split)
     else:
         obs = cfg.observation(family.reference_costs() if cfg.costs and family is not None
                               else cfg.observation().costs_of(latency))
