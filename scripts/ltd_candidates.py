@@ -64,7 +64,8 @@ def main() -> None:
     for a in arms:
         s = [r[a]["modelled_speedup"] for r in pay]
         h = [r["hybrid"]["modelled_speedup"] for r in pay]
-        summary[a] = {"trees_pay_geomean": round(geomean(s), 4), "vs_hybrid_geomean": round(geomean(np.divide(s, h)), 4),
+        summary[a] = {"trees_pay_geomean": round(geomean(s), 4),
+                      "vs_hybrid_geomean": round(geomean(np.divide(s, h)), 4),
                       "at_least_hybrid": int(sum(x >= y for x, y in zip(s, h))), "profiles": len(pay),
                       "smallest_elsewhere": round(min(r[a]["modelled_speedup"] for r in rows.values()
                                                       if r["best_static"] < PAYS), 4)}

@@ -120,7 +120,7 @@ def test_a_validation_band_is_validated_on_and_never_drawn(tmp_path):
     rng = np.random.default_rng(0)
     assert all(fam.sample(rng) is not fam.bases[-1] for _ in range(200))  # never trained on
     assert family_around(BILINEAR, [index]).validation_only == 0
-    with pytest.raises(ValueError, match=r"no training member of the family lies in the validation band \[50.0, 60.0\]"):
+    with pytest.raises(ValueError, match=r"no training member of the family lies in the validation band \[50.0, 60"):
         family_around(BILINEAR, [index], band=(50.0, 60.0))
     with pytest.raises(ValueError, match="0 < lo < hi"):
         family_around(BILINEAR, [index], band=(2.0, 1.0))

@@ -326,7 +326,8 @@ def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], s
     if band is not None and not held:
         raise ValueError(f"no training member of the family lies in the validation band {list(band)}")
     n = 1 + len(models)  # members in the band (from an index: val is not None) come last
-    return LatencyFamily([latency, *models, *(m.model for m in held)], spread, ["main", *names, *(m.name for m in held)],
+    return LatencyFamily([latency, *models, *(m.model for m in held)], spread,
+                         ["main", *names, *(m.name for m in held)],
                          None if val is None else [0, *(i + 1 for i in val), *range(n, n + len(held))], len(held))
 
 

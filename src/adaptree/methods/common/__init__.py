@@ -29,4 +29,5 @@ from adaptree.methods.common.machine_tree import SIZE_FACTORS, MachineTree
 from adaptree.methods.common.runtime import LearnedRuntime, LearnedSeam
 
 __all__ = ["ARGate", "CHAIN_OPTIONS", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "LearnedRuntime",
-           "LearnedSeam", "MATCH_FEATURES", "MachineTree", "RULE", "SAMPLED_TEMPERATURES", "SIZE_FACTORS", "match_values", "shared_ranks"]
+           "LearnedSeam", "MATCH_FEATURES", "MachineTree", "RULE", "SAMPLED_TEMPERATURES", "SIZE_FACTORS",
+           "match_values", "shared_ranks"]

@@ -468,5 +468,5 @@ class ChainRule:
         return int(np.argmax(value))
 
 
-__all__ = ["CHAIN_OPTIONS", "RULE", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES", "SAMPLED_TEMPERATURES",
-           "match_values", "shared_ranks"]
+__all__ = ["CHAIN_OPTIONS", "RULE", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES",
+           "SAMPLED_TEMPERATURES", "match_values", "shared_ranks"]

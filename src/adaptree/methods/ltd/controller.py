@@ -220,8 +220,8 @@ class LTDObservation:
             from adaptree.methods.common import RULE
 
             if isinstance(value, (int, float, str)) or len(value) != 2 or not (int(value[1]) >= 0 or value[1] == RULE):
-                raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0 or {RULE} for the rule) pair, "
-                                 f"got {value!r}")
+                raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0 or {RULE} for the rule) "
+                                 f"pair, got {value!r}")
             return self._size_value(value[0]), int(value[1])
         return self._size_value(value)
 

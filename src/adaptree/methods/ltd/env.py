@@ -77,7 +77,8 @@ class SizeEnv(_LTDEnv):
         self.sizes = [observation.action_of(v) for v in sizes]
         super().__init__(source, inner, observation.size_dim, len(self.sizes), **kwargs)
         if observation.chain_split and self.chain is None:
-            raise ValueError("a size policy that sizes the chain trains in an environment with a chain rule (chain=...)")
+            raise ValueError("a size policy that sizes the chain trains in an environment with a chain rule "
+                             "(chain=...)")
         self._tree: DraftTree | None = None
 
     def observe(self, tree: DraftTree) -> np.ndarray:
