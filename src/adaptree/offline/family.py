@@ -283,16 +283,23 @@ def in_band(model: LatencyModel, band: Sequence[float] | None) -> bool:
     return band is not None and band[0] <= verify_ratio(model) < band[1]
 
 
-def load_members(paths: Sequence[str | os.PathLike], band: Sequence[float] | None = None
-                 ) -> tuple[list[LatencyModel], list[str], list[int] | None]:
+def load_members(paths: Sequence[str | os.PathLike]) -> tuple[list[LatencyModel], list[str], list[int] | None]:
     """Latency models for a family: each path a latency model JSON, or a family index (``standard`` = the shipped
     one) of which only the members not held out are taken. Returns (models, names, validation indices): with an
     index, :data:`VALIDATION_MEMBERS` of its training members spread over it; else None (validate on all)."""
-    models, names, val = [], [], None
+    return _members(paths, None)[:3]
+
+
+def _members(paths: Sequence[str | os.PathLike], band: Sequence[float] | None
+             ) -> tuple[list[LatencyModel], list[str], list[int] | None, list[Member]]:
+    """:func:`load_members`, the indexes' training members in ``band`` (:func:`in_band`) set apart: returned last,
+    each index read once."""
+    models, names, val, held = [], [], None, []
     for p in paths:
         if is_index(p):
-            train = [m for m in read_index(STANDARD_INDEX if str(p) == "standard" else p)
-                     if not m.held_out and not in_band(m.model, band)]
+            members = [m for m in read_index(STANDARD_INDEX if str(p) == "standard" else p) if not m.held_out]
+            held += [m for m in members if in_band(m.model, band)]
+            train = [m for m in members if not in_band(m.model, band)]
             if not train:
                 raise ValueError(f"family index {p} has no member that is not held out")
             first = len(models)
@@ -303,7 +310,7 @@ def load_members(paths: Sequence[str | os.PathLike], band: Sequence[float] | Non
         else:
             models.append(LatencyModel.load(p))
             names.append(_label(p))
-    return models, names, val
+    return models, names, val, held
 
 
 def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], spread: float = 1.0,
@@ -320,9 +327,7 @@ def family_around(latency: LatencyModel, entries: Sequence[str | os.PathLike], s
         return None
     if band is not None and not 0 < band[0] < band[1]:
         raise ValueError(f"a validation band needs 0 < lo < hi, got {list(band)}")
-    models, names, val = load_members(entries, band)
-    held = [m for p in entries if is_index(p) for m in read_index(STANDARD_INDEX if str(p) == "standard" else p)
-            if not m.held_out and in_band(m.model, band)]
+    models, names, val, held = _members(entries, band)
     if band is not None and not held:
         raise ValueError(f"no training member of the family lies in the validation band {list(band)}")
     n = 1 + len(models)  # members in the band (from an index: val is not None) come last

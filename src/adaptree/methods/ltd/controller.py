@@ -50,7 +50,7 @@ import torch
 from adaptree.core.config import choice
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, TreeShape, check_shape
 from adaptree.core.tree import DraftStep, DraftTree
-from adaptree.methods.common import MATCH_FEATURES, LearnedRuntime, LearnedSeam, MachineTree, match_values
+from adaptree.methods.common import MATCH_FEATURES, RULE, LearnedRuntime, LearnedSeam, MachineTree, match_values
 from adaptree.methods.common.machine_tree import FEATURES as TREE_FEATURES
 
 STOP, CONTINUE = 0, 1
@@ -217,8 +217,6 @@ class LTDObservation:
         """A size action as the policy config stores it, checked: a V, a factor (``relative_sizes``), or with
         ``chain_split`` a (size, chain option) pair."""
         if self.chain_split:
-            from adaptree.methods.common import RULE
-
             if isinstance(value, (int, float, str)) or len(value) != 2 or not (int(value[1]) >= 0 or value[1] == RULE):
                 raise ValueError(f"a chain-split size action is a (size, chain tokens >= 0 or {RULE} for the rule) "
                                  f"pair, got {value!r}")

@@ -421,15 +421,12 @@ argmax keeps the init's decisions, PPO samples the others about a third of the t
 def with_chain_options(policy: MLPPolicy, gap: float = CHAIN_INIT_GAP) -> MLPPolicy:
     """A plain size policy as a chain-split one: each V action paired with every chain option (CHAIN_OPTIONS), the
     rule's with the V's logit, the others ``gap`` below it (the same decisions under argmax)."""
-    import copy
-
     obs = LTDObservation.from_dict(policy.config.observation)
     if obs.chain_split or not obs.use_match:
         raise ValueError("with_chain_options needs a size policy that observes the match and does not size the chain")
-    cfg = copy.deepcopy(policy.config)
-    cfg.actions = [[v, k] for v in policy.config.actions for k in CHAIN_OPTIONS]
-    cfg.observation = {**policy.config.observation, "chain_split": True}
-    out = MLPPolicy(cfg)
+    c = policy.config
+    out = MLPPolicy(dataclasses.replace(c, actions=[[v, k] for v in c.actions for k in CHAIN_OPTIONS],
+                                        observation={**c.observation, "chain_split": True}))
     n = len(CHAIN_OPTIONS)
     with torch.no_grad():
         out.body.load_state_dict(policy.body.state_dict())

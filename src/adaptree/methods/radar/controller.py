@@ -42,10 +42,6 @@ from adaptree.methods.common import LearnedRuntime, LearnedSeam
 
 log = logging.getLogger(__name__)
 
-EAGLE_SIZE = 60
-"""EAGLE-3's V: what a RADAR policy trained without V tables verifies at every depth when no table is given."""
-
-
 def read_size_table(path: str | Path, width: int | None = None) -> dict[int, int] | None:
     """The V per depth (``size_by_depth``) of a static_gs.json, None when it has none (written before the tables, or
     by ``adaptree tune-static``) or when it was searched for another beam width than ``width`` (a warning)."""
@@ -88,7 +84,6 @@ class RadarConfig(LearnedRuntime, TreeShape):
     """Seed of the stochastic decisions' generator (reset with every generation)."""
 
     unset_depth: ClassVar[int] = 1
-    unset_size: ClassVar[int] = EAGLE_SIZE
 
     def __post_init__(self) -> None:
         if self.tuned is not None and not Path(self.tuned).is_file():

@@ -23,7 +23,6 @@ predicted chance of a rejection passes a threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -45,8 +44,6 @@ from adaptree.methods.common.classifier import (
 from adaptree.offline.traces import PromptTrace, level_offset, match_mask
 
 KIND = "specdec"
-EAGLE_SIZE = 60
-"""LTD's V for the dynamic-depth methods: SpecDec++'s V without a machine tree."""
 HIDDEN, BLOCKS, EPOCHS = 1024, 1, 5
 """The LTD paper's SpecDec++: a ResNet of hidden size 1024 (one residual block), trained 5 epochs."""
 
@@ -68,8 +65,6 @@ class SpecDecConfig(LearnedRuntime, TreeShape):
     threshold: float | None = between(0.0, 1.0, None, lo_open=True, hi_open=True)
     """Stop drafting when the predicted chance of a rejection exceeds this; None = the classifier file's (0.5)."""
 
-    unset_size: ClassVar[int] = EAGLE_SIZE
-
 
 class SpecDecController(ClassifierController):
     """EAGLE-3's tree, drafting stopped by SpecDec++'s acceptance classifier (module docstring).
@@ -86,7 +81,7 @@ class SpecDecController(ClassifierController):
         # The AR gate prices probes at EAGLE-3's tree, not at the machine's V of one level: SpecDec++ drafts on while
         # its classifier expects acceptances, so a probe costs several levels, and priced at one node probes would come
         # every few steps where no tree pays (docs/methods.md).
-        self.probe_size = EAGLE_SIZE if cfg.size is None else cfg.size
+        self.probe_size = cfg.plan().size  # the config's V, else EAGLE-3's (TreeShape.unset_size)
         self.last_p_accept = float("nan")
         super().__init__(cfg, classifier, chain_calibration)
 
