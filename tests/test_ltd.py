@@ -481,6 +481,7 @@ def test_a_size_policy_that_fixes_the_chain(models, chain_traces):
         return ctl
 
     assert make().sizes[:4] == [(2, -1), (2, 0), (2, 2), (2, 8)]
+    assert make().smallest[1] == 2  # the AR gate's probe: the smallest V, not a pair
     checks = lossless_replays(Engine(target, head), make, PROMPTS + REPEATS, chain_traces, N_NEW)
     cycles = [c for check in checks for c in check.live.cycles]
     assert sum(c.chain_accepted for c in cycles) > 0

@@ -341,8 +341,12 @@ class LTDController(LearnedSeam, Controller):
         if self.size_policy is not None and self.size_obs.chain_split and self.chain_rule is None:
             raise ValueError("this LTD size policy sizes the context chain too: chain_tokens must be >= 1")
         self.match: list[float] | None = None
-        min_size = 1 if self.size_policy is not None and (self.size_obs.relative_sizes or self.size_obs.chain_split) \
-            else (min(self.sizes) if self.size_policy is not None else self.plan.size)
+        if self.size_policy is None:
+            min_size = self.plan.size
+        elif self.size_obs.relative_sizes:
+            min_size = 1
+        else:  # the V values (a chain-split action's first part)
+            min_size = min(a[0] if self.size_obs.chain_split else a for a in self.sizes)
         self.smallest = (self.plan.width, min_size, self.plan.max_depth)
         self.load_latency(cfg)
 
