@@ -39,7 +39,11 @@ def main() -> None:
     ap.add_argument("--train-traces", required=True, help="traces of training prompts (static-gs, the calibrations)")
     ap.add_argument("--shared", default=str(SHARED_MACHINES), help="folder of shared machine profiles")
     ap.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
+    ap.add_argument("--hybrid-scales", default="", help="comma-separated price scales: hybrid with its price lambda "
+                    "multiplied by each (costaware's price_scale) as more arms, e.g. 0.85,1.15: is the rule at its "
+                    "optimum?")
     args = ap.parse_args()
+    scales = [float(x) for x in args.hybrid_scales.split(",") if x]
     for p in args.pairs:
         if not (Path(p) / "depth").is_dir() or not (Path(p) / "size").is_dir():
             raise SystemExit(f"ltd_candidates: {p} has no depth/ and size/ policy folders")
@@ -48,13 +52,16 @@ def main() -> None:
     out = Path(args.out)
     acc, chain = calibrations(train, out.parent / f"{out.name}-calibrations")
     head = shipped_head()
-    arms = ["hybrid", "shipped", *args.pairs]
+    arms = ["hybrid", *(f"hybrid x{c:g}" for c in scales), "shipped", *args.pairs]
     rows = {}
     for member, latency_file in tqdm(profiles(Path(args.shared)), desc="profiles", unit="profile"):
         tuned = best_static(train, member.model, widths=(10,), depths=range(1, 13))
         r = method_rows(member, latency_file, traces, train, acc, chain, {}, ("hybrid", "ltd"), head, tuned)
         row = {"best_static": round(best_static(traces, member.model, widths=(10,), depths=range(1, 13)).speedup, 5),
                "hybrid": r["hybrid"], "shipped": r["ltd"]}
+        for c in scales:
+            row[f"hybrid x{c:g}"] = method_rows(member, latency_file, traces, train, acc, chain,
+                                                {"hybrid": {"price_scale": c}}, ("hybrid",), head, tuned)["hybrid"]
         for p in args.pairs:
             pol = {"ltd": {"depth_policy": f"{p}/depth", "size_policy": f"{p}/size"}}
             row[p] = method_rows(member, latency_file, traces, train, acc, chain, pol, ("ltd",), head, tuned)["ltd"]

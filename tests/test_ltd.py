@@ -533,6 +533,148 @@ def test_training_a_chain_split_fine_tune_with_a_validation_band(chain_traces, t
         tiny_train_config(tmp_path / "x", validation_band=(1.0, 2.0))
 
 
+# ----------------------------------------------------------------------------------------- the rule's decisions as actions
+
+def test_the_rule_actions_decide_as_costaware_at_the_same_price(models, chain_traces):
+    """π_D's RULE and π_V's priced V are costaware's look-ahead and V (hybrid's without a match). At a generation's
+    first cycle both price a node at the AR rate: the decisions are equal, on machines where they differ."""
+    from adaptree.core.controller import CycleContext
+    from adaptree.methods.common import ChainCalibration, ChainRule
+    from adaptree.methods.costaware import CostAwareConfig, CostAwareController
+    from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+
+    acc = AcceptanceCalibration.fit(chain_traces)
+    tree, steps = grow(models, DMAX)
+    ctx = CycleContext(cycle=0, context_len=tree.context_len, generated=0, features=None)
+    goes, sizes = set(), set()
+    for growth in (1e-4, 1e-3, 1e-2):
+        lat = LatencyModel(draft=[0.002, 0.0, 0.0, 0.0], verify=[0.03, growth, 0.0, 0.0], other_s=0.001)
+        ca = CostAwareController(CostAwareConfig(width=W, max_depth=DMAX), latency_model=lat, calibration=acc)
+        rule = ChainRule(ChainCalibration.fit(chain_traces), tokens=8)
+        rule.latency, rule.acceptance = lat, acc
+        ca.begin_cycle(ctx)
+        rule.begin_match(None, ctx.context_len)
+        for step in steps:
+            assert rule.priced_continue(step) == ca.continue_drafting(step)
+            goes.add(rule.priced_continue(step))
+        v = rule.priced_size(tree)
+        assert v == ca.choose_size(tree, TreePlan(W, DMAX, 60))
+        sizes.add(v)
+    assert goes == {True, False} and len(sizes) > 1
+    rule.acceptance = None
+    with pytest.raises(ValueError, match="acceptance calibration"):
+        rule.priced_size(tree)
+
+
+CHEAP_TREES = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 1e-5, 0.0, 0.0], other_s=0.001)
+
+
+def rule_pair(chain_split: bool = False) -> tuple[MLPPolicy, MLPPolicy]:
+    from adaptree.methods.ltd.train import with_rule_action
+
+    size = split_policy(3) if chain_split else match_policy("size", 2)
+    return with_rule_action(match_policy("depth", 1)), with_rule_action(size)
+
+
+def test_rule_actions_lead_from_the_start_and_keep_the_others_order(models):
+    from adaptree.methods.common import RULE
+    from adaptree.methods.ltd.controller import DEPTH_ACTIONS
+    from adaptree.methods.ltd.train import PRICED, with_rule_action
+
+    depth, size = match_policy("depth", 1), split_policy(3)
+    d2, s2 = rule_pair(chain_split=True)
+    assert d2.config.actions == list(DEPTH_ACTIONS) and s2.config.actions == [*size.config.actions, PRICED]
+    assert with_rule_action(match_policy("size", 2)).config.actions[-1] == RULE
+    tree, steps = grow(models, 3)
+    obs = LTDObservation.from_dict(size.config.observation)
+    for match in ([0.9, 0.5, 1.0], [0.1, 0.0, 0.1], [0.0, 0.0, 0.0]):
+        for pol, new, x in ((size, s2, obs.size_obs(tree, match=match)),
+                            (depth, d2, obs.depth_obs(steps[-1], match=match))):
+            assert new.act(x) == len(new.config.actions) - 1  # the rule's action leads everywhere
+            with torch.no_grad():
+                assert torch.equal(new(x)[:-1].argsort(), pol(x).argsort())
+    with pytest.raises(ValueError, match="has the priced V already"):
+        with_rule_action(s2)
+    with pytest.raises(ValueError, match="depth policy with actions"):
+        with_rule_action(d2)
+    with pytest.raises(ValueError, match="observes the match"):
+        with_rule_action(random_policy("depth", 0))
+
+
+@pytest.mark.parametrize("chain_split", [False, True])
+def test_an_ltd_pair_with_the_rule_actions_is_lossless_and_replays_like_the_live_engine(models, chain_traces,
+                                                                                      chain_split):
+    from adaptree.methods.common import ChainCalibration
+    from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+
+    target, head = models
+    cal, acc = ChainCalibration.fit(chain_traces), AcceptanceCalibration.fit(chain_traces)
+    dp, sp = rule_pair(chain_split)
+
+    def make():
+        ctl = LTDController(LTDConfig(width=W, depth=DMAX), depth_policy=dp, size_policy=sp, chain_calibration=cal,
+                            acceptance=acc)
+        ctl.use_latency(CHEAP_TREES)  # where the rule's depth varies
+        return ctl
+
+    assert make().smallest[1] == 1  # the priced V can be a single node
+    checks = lossless_replays(Engine(target, head), make, PROMPTS + REPEATS, chain_traces, N_NEW)
+    depths = {c.depth for check in checks for c in check.live.cycles}
+    assert len(depths) > 1 and sum(c.chain_accepted for check in checks for c in check.live.cycles) > 0
+    with pytest.raises(ValueError, match="--ltd-acceptance FILE"):
+        LTDController(LTDConfig(width=W, depth=DMAX), depth_policy=dp, size_policy=sp, chain_calibration=cal)
+
+
+def test_the_rule_prices_at_the_running_throughput_without_a_gate(chain_traces):
+    """Without an AR gate (training, the fallback off) the chain rule measures the drafted cycles' throughput itself,
+    as the gate would: training prices chains and the rule's decisions as inference does."""
+    from adaptree.methods.common import ChainCalibration
+    from adaptree.methods.common.ar_gate import Meter
+
+    cal = ChainCalibration.fit(chain_traces)
+    ctl = LTDController(LTDConfig(width=W, depth=DMAX, ar_fallback=False), depth_policy=match_policy("depth", 1),
+                        size_policy=match_policy("size", 2), chain_calibration=cal)
+    ctl.use_latency(LAT)
+    priced = 0
+    for t in chain_traces:
+        res = simulate(ctl, [t], LAT, measure_policy=False)
+        meter = Meter()
+        for c in res.runs[0].cycles:
+            meter.add(c.accepted + 1, LAT.cycle_time(c.width, c.depth, c.size + c.chain_nodes, c.context_len))
+        assert ctl.chain_rule.rate == (None if meter.throughput() is None else pytest.approx(meter.throughput()))
+        priced += ctl.chain_rule.rate is not None
+    assert priced > 0 and ctl.gate is None
+    ctl.reset()
+    assert ctl.chain_rule.rate is None
+
+
+def test_training_a_fine_tune_with_the_rule_actions(chain_traces, tmp_path):
+    """``rule``: the init pair gets the rule's actions, the run fits the acceptance calibration, and both stages train
+    with them (the depth stage's environment asks π_D with three actions)."""
+    from adaptree.methods.common import CHAIN_OPTIONS
+    from adaptree.methods.ltd.controller import DEPTH_ACTIONS
+    from adaptree.methods.ltd.train import PRICED, train_ltd
+
+    common = dict(match=True, chain_tokens=8)
+    train_ltd(tiny_train_config(tmp_path / "run", iterations=0, **common), chain_traces, LAT, progress=False)
+    s = train_ltd(tiny_train_config(tmp_path / "ft", chain_split=True, rule=True, iterations=2,
+                                    init=str(tmp_path / "run/policy"), **common), chain_traces, LAT, progress=False)
+    assert (tmp_path / "ft/acceptance.json").is_file()
+    size = MLPPolicy.load(tmp_path / "ft/iter1-size/policy", kind="ltd-size")
+    depth = MLPPolicy.load(tmp_path / "ft/iter2-depth/policy", kind="ltd-depth")
+    assert size.config.actions == [[v, k] for v in (2, 4, 8, 16) for k in CHAIN_OPTIONS] + [PRICED]
+    assert depth.config.actions == list(DEPTH_ACTIONS)
+    assert s["iterations"][0]["modelled_speedup"] > 0
+    ctl = make_controller("ltd", depth_policy=str(tmp_path / "ft/policy/depth"),
+                          size_policy=str(tmp_path / "ft/policy/size"), width=W, depth=DMAX,
+                          chain=str(tmp_path / "ft/chain.json"), acceptance=str(tmp_path / "ft/acceptance.json"),
+                          chain_tokens=8, ar_fallback=False)
+    chosen = simulate(ctl, [t for t in chain_traces if t.key in s["val_prompts"]], LAT, measure_policy=False)
+    assert chosen.speedup == pytest.approx(s["chosen"]["modelled_speedup"])
+    with pytest.raises(ValueError, match="rule needs match"):
+        tiny_train_config(tmp_path / "x", rule=True)
+
+
 # ----------------------------------------------------------------------------------------------------- machine costs
 
 CHEAP_DRAFT = LatencyModel(draft=[0.0005, 0.0, 0.0, 0.0], verify=[0.03, 0.0001, 0.0, 0.0], other_s=0.0)

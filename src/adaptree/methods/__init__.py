@@ -216,11 +216,11 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("radar", RadarConfig, RadarController, (_RADAR_ASSET,),
            machine_options=("latency", "chain", "tuned")),
     Method("ltd", LTDConfig, LTDController, _LTD_ASSETS["ltd"],
-           machine_options=("latency", "depth_policy", "size_policy", "chain", "tuned")),
+           machine_options=("latency", "depth_policy", "size_policy", "chain", "tuned", "acceptance")),
     Method("ltd-depth", LTDDepthConfig, LTDController, _LTD_ASSETS["ltd-depth"],
            machine_options=("latency", "depth_policy", "chain", "tuned")),
     Method("ltd-size", LTDSizeConfig, LTDController, _LTD_ASSETS["ltd-size"],
-           machine_options=("latency", "size_policy", "chain", "tuned")),
+           machine_options=("latency", "size_policy", "chain", "tuned", "acceptance")),
     Method("resps", ReSpSConfig, ReSpSController, (_RESPS_ASSET,), needs_tokenizer=True,
            machine_options=("latency", "chain", "tuned")),
     Method("specdec", SpecDecConfig, SpecDecController, (_SPECDEC_ASSET,),
@@ -319,7 +319,7 @@ def controller_factories(names: Sequence[str], options: Mapping[str, Mapping[str
 
         def build(name: str = name, opts: dict = opts) -> Controller:
             return make_controller(name, head_folder=head_folder, model=model, tokenizer=tokenizer, machine=machine,
-                                   draft_model=draft_model, **opts)
+                                   **opts)
 
         build()
         out[name] = build

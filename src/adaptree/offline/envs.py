@@ -170,7 +170,14 @@ class _Bridge(Controller):
 
     def reset(self) -> None:
         self.inner.reset()
+        if self._own_chain():
+            self.env.chain.reset()
         self.interval, self.left, self.asked, self.muted = [], 0, False, False
+
+    def _own_chain(self) -> bool:
+        """Whether the environment's chain rule is its own (not the inner controller's, which resets and prices it)."""
+        chain = self.env.chain
+        return chain is not None and getattr(self.inner, "chain_rule", None) is not chain
 
     def context_index(self):
         chain = self.env.chain
@@ -206,7 +213,7 @@ class _Bridge(Controller):
         if self.decision != "depth" or self.muted:
             return self.inner.continue_drafting(step)
         a = self._ask(self.env.observe(step))
-        return self.inner.continue_drafting(step) if a is None else int(a) == 1
+        return self.inner.continue_drafting(step) if a is None else self.env.continues(int(a), step)
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.decision != "size" or self.muted:
@@ -216,6 +223,8 @@ class _Bridge(Controller):
 
     def end_cycle(self, record: CycleRecord) -> None:
         self.inner.end_cycle(record)
+        if self._own_chain():  # its chain tokens priced at the cycles' throughput, as a method without a gate does
+            self.env.chain.record(record)
         if self.decision == "plan":
             if self.asked or self.muted:
                 self.interval.append(record)
@@ -290,6 +299,10 @@ class CycleEnv(gym.Env):
 
     def size_of(self, action: int) -> int:
         raise NotImplementedError
+
+    def continues(self, action: int, step: DraftStep) -> bool:
+        """Whether a depth action drafts on after ``step`` (1: CONTINUE)."""
+        return action == 1
 
     def plan_of(self, action: int) -> TreePlan:
         raise NotImplementedError

@@ -34,7 +34,33 @@ LARGEST_TREE = 256
 """The most nodes :meth:`ARGate.hopeless` considers (LTD's and EAGLE-3's largest V is 240)."""
 
 
-class ARGate:
+class Meter:
+    """The estimate of the module docstring: moving averages of drafted cycles' tokens and modelled seconds (a plain
+    mean over the first ``1/smoothing`` cycles, then weight ``smoothing``); a throughput after ``min_cycles``."""
+
+    def __init__(self, smoothing: float = 0.05, min_cycles: int = 8) -> None:
+        self.smoothing, self.min_cycles = float(smoothing), int(min_cycles)
+        Meter.reset(self)
+
+    def reset(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.drafted = 0  # drafted cycles in the averages
+
+    def add(self, tokens: float, seconds: float) -> None:
+        a = max(self.smoothing, 1.0 / (self.drafted + 1))
+        self.tokens += a * (tokens - self.tokens)
+        self.seconds += a * (seconds - self.seconds)
+        self.drafted += 1
+
+    def throughput(self) -> float | None:
+        """The drafted cycles' modelled tokens per second (the moving averages), or None before ``min_cycles`` of
+        them."""
+        if self.drafted < self.min_cycles or self.seconds <= 0.0:
+            return None
+        return self.tokens / self.seconds
+
+
+class ARGate(Meter):
     """See the module docstring."""
 
     def __init__(self, probe_every: int = 8, smoothing: float = 0.05, min_cycles: int = 8,
@@ -44,7 +70,8 @@ class ARGate:
                              f"probe_every, got {probe_every}, {min_cycles}, {smoothing}, {max_probe_every}")
         if not 0.0 <= optimistic <= 1.0:
             raise ValueError(f"optimistic must be a probability in [0, 1], got {optimistic}")
-        self.probe_every, self.smoothing, self.min_cycles = int(probe_every), float(smoothing), int(min_cycles)
+        self.probe_every = int(probe_every)
+        super().__init__(smoothing, min_cycles)
         self.max_probe_every, self.optimistic = int(max_probe_every), float(optimistic)
         if probe_window < 1:
             raise ValueError(f"probe_window must be >= 1, got {probe_window}")
@@ -60,8 +87,7 @@ class ARGate:
 
     def reset(self) -> None:
         """A new generation: the averages start again."""
-        self.tokens = self.seconds = 0.0
-        self.drafted = 0  # drafted cycles in the averages
+        super().reset()
         self.ar_mode = False
         self.ar_cycles = 0
         self.probes: list[tuple[float, float]] = []  # (tokens, seconds) of the latest probes
@@ -113,13 +139,6 @@ class ARGate:
         self.ar_cycles = 0
         return False
 
-    def throughput(self) -> float | None:
-        """The drafted cycles' modelled tokens per second (the moving averages), or None before ``min_cycles`` of
-        them."""
-        if self.drafted < self.min_cycles or self.seconds <= 0.0:
-            return None
-        return self.tokens / self.seconds
-
     def record(self, rec: CycleRecord) -> None:
         """After a cycle: update the averages with a drafted cycle, decide on AR mode."""
         lat = self.latency
@@ -137,9 +156,6 @@ class ARGate:
             self.ar_mode, self.interval = False, self.probe_every * self.price
             self.tokens, self.seconds = probe_tokens, probe_seconds
             return
-        a = max(self.smoothing, 1.0 / (self.drafted + 1))  # a plain mean over the first 1/smoothing cycles
-        self.tokens += a * (tokens - self.tokens)
-        self.seconds += a * (t - self.seconds)
-        self.drafted += 1
+        self.add(tokens, t)
         if self.tokens < ar_rate * self.seconds and self.drafted >= self.min_cycles:
             self.ar_mode, self.ar_cycles, self.probes = True, 0, []

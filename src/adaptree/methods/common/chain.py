@@ -49,6 +49,8 @@ import numpy as np
 import torch
 
 from adaptree.core.context import DEFAULT_SELECT, SELECT, ContextIndex, ContextMatch
+from adaptree.methods.common.ar_gate import Meter
+from adaptree.methods.common.pricing import MAX_SIZE, level_pays, price_split, shared_ranks
 from adaptree.offline.runs import read_json_as, write_json
 from adaptree.offline.traces import PromptTrace, context_matches
 
@@ -313,24 +315,6 @@ class ChainCalibration:
     def load(cls, path: str | os.PathLike) -> ChainCalibration:
         return read_json_as(path, cls.from_dict, "chain calibration")
 
-
-def shared_ranks(tree, chain: Sequence[int], order: torch.Tensor) -> np.ndarray:
-    """Ranks (in the top-V order ``order`` of ``tree``'s candidates) of the head candidates on ``chain``'s path,
-    from the root down, as long as the chain follows the head's candidates: the chain's first ``s`` tokens are
-    already among the top-V nodes for every ``V`` above the first ``s`` ranks."""
-    tokens, parents = tree.candidate_tokens(), tree.candidate_parents()
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    out, cur = [], -1
-    for t in chain:
-        hit = ((parents == cur) & (tokens == int(t))).nonzero()
-        if hit.numel() == 0:
-            break
-        cur = int(hit[0, 0])
-        out.append(int(rank[cur]))
-    return np.asarray(out, np.int64)
-
-
 RULE = -1
 """The chain option that leaves the chain's length to :class:`ChainRule`'s pricing."""
 CHAIN_OPTIONS = (RULE, 0, 4, 8, 16)
@@ -381,11 +365,14 @@ class ChainRule:
       accepted chain tokens at the cycle's temperature (:meth:`ChainCalibration.probs`), ``s`` the chain's first
       tokens already among the head's top-V nodes: a chain token is verified when its acceptance is worth its
       verification time at the tokens per second the method earns (``rate``: its AR gate's running throughput, set
-      by the controller after each cycle, as hybrid's Dinkelbach rule prices nodes; never below the autoregressive
-      rate, which stands in until the gate has an estimate). Without a latency model, the whole chain.
+      by the controller after each cycle, as hybrid's Dinkelbach rule prices nodes; without a gate, in training or
+      with the fallback off, the same estimate measured by :meth:`record`; never below the autoregressive rate,
+      which stands in until there is an estimate). Without a latency model, the whole chain.
       (At the AR rate alone, on the replayed family, the learned methods verified chain tokens that cost more than
       they earned where verification grows steeply: LTD 2.04x -> 2.13x on the AVX-512 1-thread bf16 profile with
       the running rate, docs/adapting.md.)
+    * :meth:`priced_size`, :meth:`priced_continue`: the hybrid rule's V and its look-ahead on drafting another level
+      (:mod:`~.pricing`), at the same price: what a policy's RULE actions defer to.
 
     Decisions depend on the context and the modelled costs only: replay makes the live engine's decisions.
     """
@@ -395,8 +382,28 @@ class ChainRule:
             raise ValueError(f"chain tokens must be a positive integer, got {tokens!r}")
         self.cal, self.tokens = calibration, tokens
         self.latency = None
-        self.rate: float | None = None  # tokens per second the method earns (None: the AR rate)
+        self.acceptance = None
+        """The head's :class:`~adaptree.methods.costaware.acceptance.AcceptanceCalibration`, for the priced decisions
+        (:meth:`priced_size`, :meth:`priced_continue`)."""
+        self.meter = Meter()  # the price without an AR gate to tell it (:meth:`record`)
+        self._child_rates: dict[int, np.ndarray] = {}
+        self.reset()
         self.begin_match(None, 0)
+
+    def reset(self) -> None:
+        """A new generation: the price starts again at the AR rate."""
+        self.rate: float | None = None  # tokens per second the method earns (None: the AR rate)
+        self.meter.reset()
+
+    def record(self, rec) -> None:
+        """After a cycle of a method without an AR gate (training, or the fallback off): the price becomes the
+        drafted cycles' modelled throughput, measured as the gate measures it (:class:`~.ar_gate.Meter`)."""
+        lat = self.latency
+        if lat is None or rec.depth == 0:
+            return
+        self.meter.add(rec.accepted + 1, lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes,
+                                                        rec.context_len))
+        self.rate = self.meter.throughput()
 
     @classmethod
     def of(cls, config, calibration: ChainCalibration | None, observes: bool, method: str) -> "ChainRule | None":
@@ -421,6 +428,7 @@ class ChainRule:
     def begin_match(self, match: ContextMatch | None, context_len: int, temperature: float = 0.0) -> tuple[int, ...]:
         self.match, self.context_len, self.temperature = match, int(context_len), float(temperature)
         self.chosen: int | None = None  # the chain length a policy fixed this cycle (None: the rule's)
+        self.chain = tuple(match.tokens) if match is not None else ()
         self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match, temperature=temperature))])  # C(k)
         return match.tokens if match is not None else ()
 
@@ -463,10 +471,40 @@ class ChainRule:
         ks = np.arange(k_max + 1)
         added = np.maximum(ks - s, 0)
         verify = lat.verify_times(size + added, L) - lat.verify_time(size, L)
-        rate = max(1.0 / max(lat.ar_step(L), 1e-12), self.rate or 0.0)
-        value = self.gain[np.maximum(ks, s)] - self.gain[s] - rate * verify
+        value = self.gain[np.maximum(ks, s)] - self.gain[s] - self._price(lat) * verify
         return int(np.argmax(value))
+
+    def _price(self, lat) -> float:
+        """Tokens per second a verified node's seconds are worth: the method's throughput, at least the AR rate."""
+        return max(1.0 / max(lat.ar_step(self.context_len), 1e-12), self.rate or 0.0)
+
+    def _priced(self):
+        lat = self.latency
+        if lat is None or self.acceptance is None:
+            raise ValueError("the rule's decisions (a policy's RULE action) need the machine's latency model and the "
+                             "head's acceptance calibration (--ltd-latency and --ltd-acceptance, or a machine setup)")
+        return lat, self._price(lat)
+
+    def priced_size(self, tree) -> int:
+        """The head's V as the hybrid rule chooses it (:func:`~.pricing.price_split`, at most
+        :data:`~.pricing.MAX_SIZE`) next to this cycle's chain, at :meth:`choose`'s price; :meth:`choose` then gives
+        the chain's length for that V. Needs the latency model and :attr:`acceptance`."""
+        lat, price = self._priced()
+        k_max = min(len(self.chain), self.gain.size - 1)
+        cost = price * lat.verify_times(np.arange(MAX_SIZE + k_max + 1), self.context_len)
+        return price_split(tree, self.chain[:k_max], self.gain[:k_max + 1], self.acceptance, MAX_SIZE, cost).size
+
+    def priced_continue(self, step) -> bool:
+        """Whether the hybrid rule drafts another level after ``step`` (costaware's look-ahead,
+        :func:`~.pricing.level_pays`), at :meth:`choose`'s price."""
+        lat, price = self._priced()
+        rates = self._child_rates.get(step.width)
+        if rates is None:
+            rates = self._child_rates[step.width] = self.acceptance.rates(step.width)
+        cost = price * lat.verify_times(np.arange(MAX_SIZE + 1), self.context_len)
+        return level_pays(step, self.acceptance, rates, MAX_SIZE, cost, price * lat.draft_step(step.width,
+                                                                                              self.context_len))
 
 
 __all__ = ["CHAIN_OPTIONS", "RULE", "ChainCalibration", "ChainRule", "ChainSeam", "DEFAULT_EDGES", "MATCH_FEATURES",
-           "SAMPLED_TEMPERATURES", "match_values", "shared_ranks"]
+           "SAMPLED_TEMPERATURES", "match_values"]

@@ -102,13 +102,16 @@ class LearnedSeam(ChainSeam):
         if self.gate is not None:
             self.gate.reset()
         if self.chain_rule is not None:
-            self.chain_rule.rate = None
+            self.chain_rule.reset()
 
     def end_cycle(self, record: CycleRecord) -> None:
         if self.gate is not None:
             self.gate.record(record)
-            if self.chain_rule is not None:  # chain tokens are priced at what the method earns
+        if self.chain_rule is not None:  # chain tokens are priced at what the method earns
+            if self.gate is not None:
                 self.chain_rule.rate = self.gate.throughput()
+            else:
+                self.chain_rule.record(record)
 
     def begin_chain(self, ctx: CycleContext) -> tuple[int, ...]:
         """The cycle's chain (empty without a chain rule or a match); :meth:`match_features` then describe it."""

@@ -55,12 +55,12 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from adaptree.core.config import between, check_fields, choice, positive
+from adaptree.core.config import between, bounded, check_fields, choice, positive
 from adaptree.core.controller import AR_PLAN, Controller, CycleContext, TreePlan, check_shape
 from adaptree.core.records import CycleRecord
 from adaptree.core.tree import DraftStep, DraftTree
+from adaptree.methods.common.pricing import MAX_SIZE, best_size, level_pays, top_probs
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.offline.latency import LatencyModel, load_checked
 
@@ -76,7 +76,7 @@ class CostAwareConfig:
     """Beam width W: top-k per expansion and beam size."""
     max_depth: int = 8
     """Largest draft depth (draft forwards per cycle); the cost rule usually stops earlier."""
-    max_size: int = 60
+    max_size: int = MAX_SIZE
     """Largest verification size V (draft nodes sent to the target; the root is extra)."""
     latency: str | None = None
     """Latency model JSON of this machine (`adaptree calibrate`)."""
@@ -88,6 +88,9 @@ class CostAwareConfig:
     """Each probe that finds no tree paying doubles that interval, up to this many cycles."""
     smoothing: float = between(0.0, 1.0, 0.1, lo_open=True)
     """Weight of the newest cycle in the moving averages (throughput estimate, predicted tree advantage)."""
+    price_scale: float = bounded(1.0, lo=0.0, lo_open=True)
+    """Multiplies the price lambda of verified nodes and draft steps (1: the renewal-reward rule's; other values
+    test whether the rule sits at its optimum: docs/ltd.md)."""
     timing: str = choice(TIMINGS, "model")
     """Cycle seconds behind the throughput estimate: model (the latency model's time of the cycle's W, depth and V:
     the units of the modelled costs; deterministic, the same live and in replay) or record (the record's draft_s +
@@ -163,7 +166,7 @@ class CostAwareController(Controller):
         if self.tok_avg is None:  # first cycle of the generation: the AR rate
             self.tok_avg, self.sec_avg = 1.0, self.t_ar
             self.rate = 1.0 / self.t_ar if self.t_ar > 0 else 0.0
-        lam = self.rate
+        lam = self.rate * cfg.price_scale
         self.cost = lam * self.verify_s
         self.step_s = lat.draft_step(cfg.width, L)
         self.step_cost = lam * self.step_s
@@ -175,34 +178,12 @@ class CostAwareController(Controller):
             self.ar_cycles, self.probing = 0, True
         return self.plan
 
-    def _probs(self, tree: DraftTree, limit: int) -> np.ndarray:
-        """Calibrated acceptance probabilities of the top-``limit`` candidates by score, descending."""
-        scores = tree.candidate_scores()
-        k = min(int(limit), scores.numel())
-        if k <= 0:
-            return np.zeros(0)
-        return self.calibration(torch.topk(scores, k, sorted=True).values)
-
-    def _best(self, p: np.ndarray) -> tuple[int, float]:
-        """(V*, value) of ``max_V sum_{top V} p - lambda * verify(V)`` for ``p`` sorted descending."""
-        gain = np.zeros(p.size + 1)
-        np.cumsum(p, out=gain[1:])
-        value = gain - self.cost[:gain.size]
-        v = int(np.argmax(value))
-        return v, float(value[v])
-
     def continue_drafting(self, step: DraftStep) -> bool:
-        m = self.config.max_size
-        cur = self._probs(step.tree, m)
-        _, now = self._best(cur)
-        children = np.outer(self.calibration(step.beam_scores), self.rates[:step.width]).reshape(-1)
-        merged = np.sort(np.concatenate([cur, children]))[::-1][:m]
-        _, then = self._best(merged)
-        return then - now > self.step_cost
+        return level_pays(step, self.calibration, self.rates, self.config.max_size, self.cost, self.step_cost)
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
-        p = self._probs(tree, min(plan.size, self.config.max_size))
-        v, value = self._best(p)
+        p = top_probs(tree, min(plan.size, self.config.max_size), self.calibration)
+        v, value = best_size(p, self.cost)
         lam = self.rate
         # Predicted advantage over an AR step at the same lambda: [1 + gain - lam*(depth*step + verify(V) + other)]
         # - [1 - lam*(verify(0) + other)] = value - lam*(depth*step - verify(0)).

@@ -36,12 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from adaptree.core.context import MAX_MATCH, ContextIndex
 from adaptree.core.controller import AR_PLAN, CycleContext, TreePlan
 from adaptree.core.tree import DraftTree
-from adaptree.methods.common import ChainCalibration, shared_ranks
+from adaptree.methods.common import ChainCalibration, price_split
 from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.methods.costaware.controller import CostAwareConfig, CostAwareController, _load
 from adaptree.offline.latency import LatencyModel
@@ -117,25 +116,11 @@ class HybridController(CostAwareController):
         if not plan.chain:
             return super().choose_size(tree, plan)
         limit = min(plan.size, self.config.max_size)
-        scores = tree.candidate_scores()
-        order = torch.sort(scores, descending=True, stable=True).indices  # the engine's top-V order
-        k_v = min(limit, scores.numel())
-        p = self.calibration(scores[order[:k_v]]) if k_v else np.zeros(0)
-        gain_h = np.concatenate([[0.0], np.cumsum(p)])  # G(V), V = 0..k_v
-        shared = shared_ranks(tree, plan.chain, order)
-        v_all = np.arange(k_v + 1)
-        s_v = (shared[None, :] < v_all[:, None]).sum(1) if shared.size else np.zeros(k_v + 1, np.int64)
-        k_all = np.arange(self.gain_c.size)
-        kk = np.maximum(k_all[None, :], s_v[:, None])  # [V, k]: a chain shorter than the shared part adds nothing
-        added = kk - s_v[:, None]
-        value = gain_h[:, None] + self.gain_c[kk] - self.gain_c[s_v][:, None] - self.cost[v_all[:, None] + added]
-        v, k = np.unravel_index(int(np.argmax(value)), value.shape)
-        best = float(value[v, k])
-        self.k_star = int(kk[v, k])
-        lam = self.rate
-        adv = best - self.chain_alone - lam * tree.depth * self.step_s  # what the head adds to the chain alone
-        self._drafted(int(v), 1.0 + float(gain_h[v] + self.gain_c[kk[v, k]] - self.gain_c[s_v[v]]), adv)
-        return int(v)
+        split = price_split(tree, plan.chain, self.gain_c, self.calibration, limit, self.cost)
+        self.k_star = split.chain
+        adv = split.value - self.chain_alone - self.rate * tree.depth * self.step_s  # the head's gain on the chain's
+        self._drafted(split.size, 1.0 + split.gain, adv)
+        return split.size
 
     def choose_chain(self, tree: DraftTree | None, plan: TreePlan, size: int) -> int:
         return self.k_star

@@ -24,6 +24,12 @@ policies' tree, its length chosen by :class:`~adaptree.methods.common.chain.Chai
 chain to policies that do not observe the match, too). The latency model, the AR fallback and the chain are the
 learned methods' shared runtime (:mod:`adaptree.methods.common.runtime`).
 
+With the rule's actions (``adaptree train ltd --rule``) π_D has a third action, RULE: draft on where the hybrid rule's
+look-ahead would; π_V has the priced V among its actions: the V the hybrid rule would verify next to the chain. Both
+are :class:`~adaptree.methods.common.ChainRule`'s, at the chain's price, with the head's acceptance calibration
+(``acceptance``, filled from the machine setup): a policy can keep the rule where it pays and leave it where it learned
+better.
+
 L is the true context length at training and at inference (the public code reads it after the input
 ids were overwritten: a constant at inference). The observation is built by :class:`LTDObservation`,
 the one function the simulator environments (training) and this controller (inference) share, and its
@@ -53,7 +59,10 @@ from adaptree.core.tree import DraftStep, DraftTree
 from adaptree.methods.common import MATCH_FEATURES, RULE, LearnedRuntime, LearnedSeam, MachineTree, match_values
 from adaptree.methods.common.machine_tree import FEATURES as TREE_FEATURES
 
-STOP, CONTINUE = 0, 1
+STOP, CONTINUE, DEPTH_RULE = 0, 1, 2
+DEPTH_ACTIONS = ("stop", "continue", "rule")
+"""π_D's actions: STOP, CONTINUE, and (a policy trained with the rule's decisions) RULE: as the hybrid rule decides
+(:meth:`~adaptree.methods.common.ChainRule.priced_continue`)."""
 LTD_SIZES = tuple(range(20, 241, 20))
 """The size policy's 12 actions: V = 20, 40, ..., 240 (paper A.2.1)."""
 MODES = ("both", "depth", "size")
@@ -224,22 +233,41 @@ class LTDObservation:
         return self._size_value(value)
 
     def _size_value(self, value) -> float | int:
+        if value == RULE:
+            return RULE
         v = float(value) if self.relative_sizes else int(value)
         if not v > 0:
-            raise ValueError(f"a size action must be > 0 (a V >= 1, or a factor), got {value!r}")
+            raise ValueError(f"a size action must be > 0 (a V >= 1, or a factor) or {RULE} (the priced V), got "
+                             f"{value!r}")
         return v
 
     def decide(self, action, tree: DraftTree, machine: MachineTree | None, chain) -> int:
         """V of a size action (:meth:`action_of`'s) for ``tree``; with ``chain_split`` the chain rule ``chain`` (a
-        :class:`~adaptree.methods.common.ChainRule`) is told the chain's length too."""
-        if not self.chain_split:
-            return self.size_of(action, tree.depth, machine)
+        :class:`~adaptree.methods.common.ChainRule`) is told the chain's length too. The size :data:`RULE` is the
+        hybrid rule's V (:meth:`~adaptree.methods.common.ChainRule.priced_size`)."""
+        size, tokens = action if self.chain_split else (action, None)
+        if chain is None and (tokens is not None or size == RULE):
+            raise ValueError("this LTD size policy sizes the context chain or prices V: it needs the chain rule (a "
+                             "chain calibration, --ltd-chain PATH)")
+        if tokens is not None:
+            chain.fix(tokens)
+        return chain.priced_size(tree) if size == RULE else self.size_of(size, tree.depth, machine)
+
+    @staticmethod
+    def continues(action: int, step: DraftStep, chain) -> bool:
+        """Whether π_D's ``action`` drafts on after ``step``: CONTINUE, or RULE where the hybrid rule does (``chain``:
+        the :class:`~adaptree.methods.common.ChainRule` that prices it)."""
+        if action != DEPTH_RULE:
+            return action == CONTINUE
         if chain is None:
-            raise ValueError("this LTD size policy sizes the context chain too: it needs the chain rule (a chain "
-                             "calibration, --ltd-chain PATH)")
-        size, tokens = action
-        chain.fix(tokens)
-        return self.size_of(size, tree.depth, machine)
+            raise ValueError("this LTD depth policy defers to the hybrid rule (its action 'rule'): it needs the chain "
+                             "rule (a chain calibration, --ltd-chain PATH)")
+        return chain.priced_continue(step)
+
+    @staticmethod
+    def priced(sizes) -> bool:
+        """Whether the size actions ``sizes`` (:meth:`action_of`'s) hold the priced V."""
+        return any((a[0] if isinstance(a, tuple) else a) == RULE for a in sizes)
 
     def size_of(self, action_value: float, depth: int, machine: MachineTree | None) -> int:
         """V of a size action's value (the policy config's ``actions`` entry): the V itself, or with
@@ -269,6 +297,9 @@ class LTDConfig(LearnedRuntime, TreeShape):
     """Size policy folder (``ltd/size`` next to the head in use when built through the method registry)."""
     mode: str = choice(MODES, "both")
     """both | depth | size: which policies decide."""
+    acceptance: str | None = None
+    """Acceptance calibration JSON of the model and head (the machine setup's): for policies with the hybrid rule's
+    decisions among their actions (adaptree.methods.common.ChainRule.priced_size and priced_continue)."""
 
     unset_depth: ClassVar[int] = 8
 
@@ -304,18 +335,24 @@ class LTDController(LearnedSeam, Controller):
     :param chain_calibration: a loaded :class:`~adaptree.methods.common.ChainCalibration` (overrides ``chain``).
     :param chain_rule: a :class:`~adaptree.methods.common.ChainRule` to use instead of one of its own (a training
         environment's, whose ``choose_chain`` then returns the chain this controller's size policy chose).
+    :param acceptance: a loaded acceptance calibration (overrides ``acceptance``), for policies with the rule's
+        decisions among their actions.
     """
 
     name = "ltd"
 
     def __init__(self, config: LTDConfig | None = None, depth_policy=None, size_policy=None,
-                 chain_calibration=None, chain_rule=None) -> None:
+                 chain_calibration=None, chain_rule=None, acceptance=None) -> None:
         self.config = cfg = config or LTDConfig()
         self.name = {"both": "ltd", "depth": "ltd-depth", "size": "ltd-size"}[cfg.mode]
         self.depth_policy = self.size_policy = None
         obs = []
         if cfg.mode in ("both", "depth"):
             self.depth_policy = depth_policy or _load("depth", cfg.depth_policy)
+            actions = list(self.depth_policy.config.actions)
+            if len(actions) != 2 and actions != list(DEPTH_ACTIONS):  # two: STOP, CONTINUE, whatever their labels
+                raise ValueError(f"an LTD depth policy has two actions (STOP, CONTINUE) or {list(DEPTH_ACTIONS)}, got "
+                                 f"{actions}")
             self.depth_obs = LTDObservation.from_dict(self.depth_policy.config.observation)
             obs.append(self.depth_obs)
         if cfg.mode in ("both", "size"):
@@ -340,15 +377,36 @@ class LTDController(LearnedSeam, Controller):
             self.chain_rule = chain_rule
         if self.size_policy is not None and self.size_obs.chain_split and self.chain_rule is None:
             raise ValueError("this LTD size policy sizes the context chain too: chain_tokens must be >= 1")
+        if self.rule_decides:
+            if self.chain_rule is None:
+                raise ValueError("this LTD pair defers to the hybrid rule's decisions next to the context chain: "
+                                 "chain_tokens must be >= 1")
+            if acceptance is not None:
+                self.chain_rule.acceptance = acceptance
+            elif self.chain_rule.acceptance is None:
+                from adaptree.methods.costaware.acceptance import AcceptanceCalibration
+                from adaptree.methods.costaware.controller import _load as load_asset
+
+                self.chain_rule.acceptance = load_asset(
+                    cfg.acceptance, "acceptance calibration", "acceptance",
+                    "the machine setup makes one (adaptree adapt), or fit one with "
+                    "adaptree.methods.costaware.AcceptanceCalibration.fit(traces).save(PATH)",
+                    AcceptanceCalibration.load, self.name)
         self.match: list[float] | None = None
         if self.size_policy is None:
             min_size = self.plan.size
-        elif self.size_obs.relative_sizes:
-            min_size = 1
+        elif self.size_obs.relative_sizes or LTDObservation.priced(self.sizes):
+            min_size = 1  # a factor of the machine tree's V, or the priced V: as few as one node
         else:  # the V values (a chain-split action's first part)
             min_size = min(a[0] if self.size_obs.chain_split else a for a in self.sizes)
         self.smallest = (self.plan.width, min_size, self.plan.max_depth)
         self.load_latency(cfg)
+
+    @property
+    def rule_decides(self) -> bool:
+        """Whether a policy has the hybrid rule's decision among its actions (π_D's RULE, π_V's priced V)."""
+        return (self.depth_policy is not None and len(self.depth_policy.config.actions) == len(DEPTH_ACTIONS)) or (
+            self.size_policy is not None and LTDObservation.priced(self.sizes))
 
     def use_latency(self, latency) -> None:
         if self.depth_policy is not None:
@@ -368,8 +426,8 @@ class LTDController(LearnedSeam, Controller):
     def continue_drafting(self, step: DraftStep) -> bool:
         if self.depth_policy is None:
             return True
-        return self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs, self.match,
-                                                              self.machine_tree)) == CONTINUE
+        a = self.depth_policy.act(self.depth_obs.depth_obs(step, self.depth_costs, self.match, self.machine_tree))
+        return LTDObservation.continues(a, step, self.chain_rule)
 
     def choose_size(self, tree: DraftTree, plan: TreePlan) -> int:
         if self.size_policy is None:

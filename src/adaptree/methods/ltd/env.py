@@ -41,13 +41,17 @@ class DepthEnv(_LTDEnv):
     :param observation: an :class:`~adaptree.methods.ltd.controller.LTDObservation` (``depth_obs``).
     :param inner: the rest of the cycle: its ``begin_cycle`` gives W and the maximum depth, its
         ``choose_size`` the V (a StaticController(W, 12, 60) in LTD's stage 1, the frozen size policy later).
+    :param actions: 2 (STOP, CONTINUE), or 3 with the hybrid rule's decision (RULE).
     """
 
     decision = "depth"
 
-    def __init__(self, source, observation, inner, **kwargs) -> None:
+    def __init__(self, source, observation, inner, actions: int = 2, **kwargs) -> None:
         self.obs_spec = observation
-        super().__init__(source, inner, observation.depth_dim, 2, **kwargs)
+        super().__init__(source, inner, observation.depth_dim, actions, **kwargs)
+        if actions == 3 and self.chain is None:
+            raise ValueError("a depth policy with the rule's action trains in an environment with a chain rule "
+                             "(chain=...)")
 
     @property
     def first_decision(self) -> bool:
@@ -56,6 +60,9 @@ class DepthEnv(_LTDEnv):
 
     def observe(self, step: DraftStep) -> np.ndarray:
         return self.obs_spec.depth_obs(step, self.costs, self.match(), self.machine).numpy()
+
+    def continues(self, action: int, step: DraftStep) -> bool:
+        return self.obs_spec.continues(action, step, self.chain)
 
     def observe_first(self, ctx: CycleContext) -> np.ndarray:
         return self.obs_spec.first_obs(ctx.context_len, self.costs, self.match(), self.machine).numpy()

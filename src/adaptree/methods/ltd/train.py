@@ -46,6 +46,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,7 +54,9 @@ import torch
 from adaptree.core.config import at_least, between, check_fields, choice, positive
 from adaptree.core.controller import StaticConfig, StaticController
 from adaptree.methods.common import CHAIN_OPTIONS, RULE, SIZE_FACTORS, ChainCalibration, ChainRule
+from adaptree.methods.costaware.acceptance import AcceptanceCalibration
 from adaptree.methods.ltd.controller import (
+    DEPTH_ACTIONS,
     LTD_SIZES,
     LTDConfig,
     LTDController,
@@ -166,6 +169,12 @@ class LTDTrainConfig:
     alone with the rule sizing the chain after it. Needs ``match``. With ``init`` (a plain size policy), each of its
     V actions is paired with every chain option, the rule's keeping its logit and the others starting
     ``CHAIN_INIT_GAP`` below it: the fine-tune starts from the init pair's decisions."""
+    rule: bool = False
+    """The policies may defer to the hybrid rule: π_D has a third action, RULE (costaware's look-ahead decides), and
+    π_V the priced V (hybrid's V; with ``chain_split`` next to the chain rule's length), both at the rule's price (the
+    cycles' running throughput); the acceptance calibration is fitted on the training traces (``OUT/acceptance.json``).
+    Needs ``match``. With ``init`` the two actions are added to the init pair with leading logits
+    (:func:`with_rule_action`): the fine-tune starts from the rule's decisions and learns where to leave them."""
     init: str | None = None
     """A policy pair folder (depth/ and size/) to start from: a fine-tune (e.g. for one machine) that runs the
     co-adaptation iterations only, each policy starting from the init's actor; Iter0 is the init pair."""
@@ -191,6 +200,8 @@ class LTDTrainConfig:
                              f"{list(self.validation_band)}")
         if self.chain_split and not self.match:
             raise ValueError("chain_split needs match: the size policy sizes the context chain it observes")
+        if self.rule and not self.match:
+            raise ValueError("rule needs match: the rule prices the head's nodes next to the context chain")
         if self.init is not None and (self.only or self.iterations < 1):
             raise ValueError("init (a fine-tune) runs the co-adaptation iterations: it needs iterations >= 1 and "
                              "no --only")
@@ -206,7 +217,12 @@ class LTDTrainConfig:
         """The size policy's actions: V values, or factors of the machine tree's V (``machine_tree``); with
         ``chain_split`` each paired with every chain option."""
         sizes = list(SIZE_FACTORS) if self.machine_tree else list(self.sizes)
-        return [[v, k] for v in sizes for k in CHAIN_OPTIONS] if self.chain_split else sizes
+        actions = [[v, k] for v in sizes for k in CHAIN_OPTIONS] if self.chain_split else sizes
+        return actions + [PRICED if self.chain_split else RULE] if self.rule else actions
+
+    @property
+    def depth_actions(self) -> list[str]:
+        return list(DEPTH_ACTIONS if self.rule else DEPTH_ACTIONS[:2])
 
     def stages(self) -> list[str]:
         if self.only:
@@ -237,22 +253,31 @@ def split_traces(traces: list, val_fraction: float, seed: int = 0) -> tuple[list
     return split_by_key(traces, val_fraction, seed, key=lambda t: t.key, both="LTD training needs at least 2 traces")
 
 
+class Calibrations(NamedTuple):
+    """What a run fits on its training traces: the chain calibration (``match``) and the acceptance calibration (the
+    rule's decisions, ``rule``); None where the run does not use it."""
+
+    chain: ChainCalibration | None = None
+    acceptance: AcceptanceCalibration | None = None
+
+
 def _ltd(cfg: LTDTrainConfig, depth_policy: MLPPolicy | None = None, size_policy: MLPPolicy | None = None,
-         chain_cal=None, chain_rule=None, **shape) -> LTDController:
+         cals: Calibrations = Calibrations(), chain_rule=None, **shape) -> LTDController:
     """An LTD controller of in-memory policies, as training evaluates it: the policies alone (no AR fallback), with
-    the run's context chain when it trains with ``match`` (``chain_cal``: the run's chain calibration; ``chain_rule``:
-    an environment's rule, shared)."""
+    the run's context chain when it trains with ``match`` (``cals``: the run's calibrations; ``chain_rule``: an
+    environment's rule, shared)."""
     chain = dict(chain_tokens=cfg.chain_tokens) if cfg.match else {}
     return LTDController(LTDConfig(width=cfg.width, ar_fallback=False, **chain, **shape), depth_policy=depth_policy,
-                         size_policy=size_policy, chain_calibration=chain_cal, chain_rule=chain_rule)
+                         size_policy=size_policy, chain_calibration=cals.chain, chain_rule=chain_rule,
+                         acceptance=cals.acceptance)
 
 
 class _Stage:
     """One PPO run; what it learns, against what, and how it is validated."""
 
     def __init__(self, name: str, cfg: LTDTrainConfig, partner: MLPPolicy | None, obs: LTDObservation,
-                 chain_cal=None) -> None:
-        self.name, self.cfg, self.partner, self.obs, self.chain_cal = name, cfg, partner, obs, chain_cal
+                 cals: Calibrations = Calibrations()) -> None:
+        self.name, self.cfg, self.partner, self.obs, self.cals = name, cfg, partner, obs, cals
         self.kind = "size" if name.endswith("size") else "depth"
         self.iteration = name.startswith("iter")
 
@@ -267,8 +292,7 @@ class _Stage:
         c, obs = self.cfg, self.obs
         if self.kind == "size":
             return MLPPolicyConfig("ltd-size", obs.size_dim, c.size_actions, list(c.size_pi), "tanh", obs.to_dict())
-        return MLPPolicyConfig("ltd-depth", obs.depth_dim, ["stop", "continue"], list(c.depth_pi), "tanh",
-                               obs.to_dict())
+        return MLPPolicyConfig("ltd-depth", obs.depth_dim, c.depth_actions, list(c.depth_pi), "tanh", obs.to_dict())
 
     def inner(self, rng: np.random.Generator, chain=None):
         """The other decisions during training (``chain``: the environment's chain rule, whose length a chain-split
@@ -277,33 +301,37 @@ class _Stage:
         if self.kind == "size":
             if self.partner is None:
                 return RandomDepthController(rng, c.width, 1, c.max_depth, c.fixed_size)
-            return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner, chain_cal=self.chain_cal)
+            return _ltd(c, depth=c.max_depth, mode="depth", depth_policy=self.partner, cals=self.cals)
         if self.partner is None:
             return StaticController(StaticConfig(c.width, c.max_depth, c.fixed_size))
-        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner, chain_cal=self.chain_cal,
+        return _ltd(c, depth=c.max_depth, mode="size", size_policy=self.partner, cals=self.cals,
                     chain_rule=chain)
 
     def controller(self, policy: MLPPolicy) -> LTDController:
         """How the stage's policy is validated (see the module docstring)."""
-        c, cal = self.cfg, self.chain_cal
+        c, cal = self.cfg, self.cals
         if self.kind == "size":
             if self.partner is None:
-                return _ltd(c, depth=c.fixed_depth, mode="size", size_policy=policy, chain_cal=cal)
-            return _ltd(c, depth=c.max_depth, depth_policy=self.partner, size_policy=policy, chain_cal=cal)
+                return _ltd(c, depth=c.fixed_depth, mode="size", size_policy=policy, cals=cal)
+            return _ltd(c, depth=c.max_depth, depth_policy=self.partner, size_policy=policy, cals=cal)
         if self.partner is None:
-            return _ltd(c, depth=c.max_depth, size=c.fixed_size, mode="depth", depth_policy=policy, chain_cal=cal)
-        return _ltd(c, depth=c.max_depth, depth_policy=policy, size_policy=self.partner, chain_cal=cal)
+            return _ltd(c, depth=c.max_depth, size=c.fixed_size, mode="depth", depth_policy=policy, cals=cal)
+        return _ltd(c, depth=c.max_depth, depth_policy=policy, size_policy=self.partner, cals=cal)
 
     def make_env(self, source, seed: int):
         c, obs = self.cfg, self.obs
-        chain = ChainRule(self.chain_cal, c.chain_tokens) if c.match else None  # one per environment: it has state
+        chain = None
+        if c.match:  # one per environment: it has state
+            chain = ChainRule(self.cals.chain, c.chain_tokens)
+            chain.acceptance = self.cals.acceptance
 
         def inner(rng: np.random.Generator):
             return self.inner(rng, chain)
 
         if self.kind == "size":
             return SizeEnv(source, obs, inner, sizes=c.size_actions, reward=c.reward, seed=seed, chain=chain)
-        return DepthEnv(source, obs, inner, reward=c.reward, seed=seed, chain=chain)
+        return DepthEnv(source, obs, inner, actions=len(self.policy_config().actions), reward=c.reward, seed=seed,
+                        chain=chain)
 
 
 def evaluate(controller, traces: list, latency) -> dict:
@@ -436,6 +464,37 @@ def with_chain_options(policy: MLPPolicy, gap: float = CHAIN_INIT_GAP) -> MLPPol
     return out.eval()
 
 
+PRICED = [RULE, RULE]
+"""A chain-split size policy's priced action: hybrid's V with the chain rule's length."""
+
+
+def with_rule_action(policy: MLPPolicy, lead: float = 0.0) -> MLPPolicy:
+    """An LTD policy with the hybrid rule's decision as one more action (π_D: RULE; π_V: the priced V, with the chain
+    rule's length when it sizes the chain). Its logit is constant, ``lead`` above the largest any other action can
+    reach (the head's biases plus the L1 norms of its rows: the layer below is tanh): with ``lead >= 0`` argmax always
+    picks it, and the others keep their order below it."""
+    c = policy.config
+    obs = LTDObservation.from_dict(c.observation)
+    if c.kind == "ltd-depth":
+        if list(c.actions) != list(DEPTH_ACTIONS[:2]):
+            raise ValueError(f"with_rule_action needs a depth policy with actions {list(DEPTH_ACTIONS[:2])}, got "
+                             f"{list(c.actions)}")
+        rule = DEPTH_ACTIONS[2]
+    else:
+        if LTDObservation.priced([obs.action_of(a) for a in c.actions]):
+            raise ValueError("with_rule_action: the size policy has the priced V already")
+        rule = PRICED if obs.chain_split else RULE
+    if not obs.use_match:
+        raise ValueError("with_rule_action needs a policy that observes the match: the rule prices its chain")
+    out = MLPPolicy(dataclasses.replace(c, actions=[*c.actions, rule]))
+    with torch.no_grad():
+        out.body.load_state_dict(policy.body.state_dict())
+        w, b = policy.head.weight, policy.head.bias
+        out.head.weight.copy_(torch.cat([w, torch.zeros_like(w[:1])]))
+        out.head.bias.copy_(torch.cat([b, (w.abs().sum(1) + b).max().reshape(1) + lead]))
+    return out.eval()
+
+
 def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
     """The fine-tune's starting pair, checked against the run's settings (a plain size policy given chain options
     with ``chain_split``)."""
@@ -443,6 +502,10 @@ def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
     pair = {f"init-{k}": MLPPolicy.load(folder / k, kind=f"ltd-{k}") for k in ("depth", "size")}
     if cfg.chain_split and not LTDObservation.from_dict(pair["init-size"].config.observation).chain_split:
         pair["init-size"] = with_chain_options(pair["init-size"])
+    if cfg.rule:
+        for k, actions in (("depth", cfg.depth_actions), ("size", cfg.size_actions)):
+            if len(pair[f"init-{k}"].config.actions) + 1 == len(actions):  # the init has no rule action yet
+                pair[f"init-{k}"] = with_rule_action(pair[f"init-{k}"])
     for name, p in pair.items():
         o = LTDObservation.from_dict(p.config.observation)
         if (o.width, o.max_depth, o.use_costs, o.use_match, o.use_tree) != (cfg.width, cfg.max_depth, cfg.costs,
@@ -456,14 +519,21 @@ def _init_pair(cfg: LTDTrainConfig) -> dict[str, MLPPolicy]:
     return pair
 
 
-def _chain_calibration(cfg: LTDTrainConfig, train: list, out: Path):
-    """With ``match``: the chain calibration of the training traces (``out/chain.json``, fitted once), else None."""
-    if not cfg.match:
-        return None
-    path = out / "chain.json"
-    if not path.is_file():
-        ChainCalibration.fit(train).save(path)
-    return ChainCalibration.load(path)
+def _calibrations(cfg: LTDTrainConfig, train: list, out: Path) -> Calibrations:
+    """The run's calibrations of the training traces (``out/chain.json`` with ``match``, ``out/acceptance.json`` with
+    ``rule``; each fitted once)."""
+    chain = acceptance = None
+    if cfg.match:
+        path = out / "chain.json"
+        if not path.is_file():
+            ChainCalibration.fit(train).save(path)
+        chain = ChainCalibration.load(path)
+    if cfg.rule:
+        path = out / "acceptance.json"
+        if not path.is_file():
+            AcceptanceCalibration.fit(train).save(path)
+        acceptance = AcceptanceCalibration.load(path)
+    return Calibrations(chain, acceptance)
 
 
 def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True, live_source=None) -> TrainingResult:
@@ -482,7 +552,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
     settings = _settings(cfg, {k: fps.get(k) for k in ("model", "head")}, family)
     pin_settings(out, settings, "an LTD run")
     train, val = split_traces(traces, cfg.val_fraction, cfg.seed)
-    chain_cal = _chain_calibration(cfg, train, out)
+    cals = _calibrations(cfg, train, out)
     if cfg.machine_tree:  # every machine's static tree, fitted on the training prompts (a setup fits its own)
         from adaptree.methods.common.machine_tree import attach
 
@@ -509,7 +579,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
             name == "stage1-depth" and cfg.depth_partner == "size") else None
         # only π_D makes the decision before drafting: a size stage's policy is asked once a tree was drafted
         stage = _Stage(name, cfg, partner, obs if kind == "depth" else dataclasses.replace(obs, first_decision=False),
-                       chain_cal)
+                       cals)
         folder = out / name
         done = folder / "result.json"
         if done.exists() and (folder / "policy" / "config.json").exists():
@@ -525,7 +595,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
 
     if cfg.only:
         return _finish_single(cfg, out, settings, train, val, results, policies, val_latency, fps, t_start, obs,
-                              chain_cal)
+                              cals)
     # Iter0..IterN: the pairs the co-adaptation went through, on validation
     pairs = [("init-depth", "init-size") if cfg.init else ("stage1-depth", "stage1-size")]
     for name in cfg.stages()[0 if cfg.init else 2:]:
@@ -533,7 +603,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
         pairs.append((name, s) if name.endswith("depth") else (d, name))
     table = []
     for i, (d, s) in enumerate(pairs):
-        ev = evaluate(_ltd(cfg, policies[d], policies[s], chain_cal, depth=cfg.max_depth), val, val_latency)
+        ev = evaluate(_ltd(cfg, policies[d], policies[s], cals, depth=cfg.max_depth), val, val_latency)
         table.append({"iteration": i, "depth_policy": d, "size_policy": s, **ev})
     best = max(table, key=lambda r: r["modelled_speedup"])
     export = out / "policy"
@@ -547,7 +617,7 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
                                             val, val_latency)}
     for kind in ("depth", "size") if not cfg.init else ():
         name = f"stage1-{kind}"
-        baselines[f"ltd-{kind}(stage1)"] = evaluate(_Stage(name, cfg, None, obs, chain_cal).controller(policies[name]),
+        baselines[f"ltd-{kind}(stage1)"] = evaluate(_Stage(name, cfg, None, obs, cals).controller(policies[name]),
                                                     val, val_latency)
     summary = {"settings": settings, "train_prompts": [t.key for t in train], "val_prompts": [t.key for t in val],
                "stages": results, "iterations": table, "chosen": best, "baselines_val": baselines,
@@ -557,10 +627,10 @@ def train_ltd(cfg: LTDTrainConfig, traces: list, latency, progress: bool = True,
 
 
 def _finish_single(cfg, out: Path, settings, train, val, results, policies, latency, fps, t_start,
-                   obs: LTDObservation, chain_cal) -> TrainingResult:
+                   obs: LTDObservation, cals: Calibrations) -> TrainingResult:
     """``only``: export the one stage-1 policy; summary with its validation next to the static default."""
     name = f"stage1-{cfg.only}"
-    stage = _Stage(name, cfg, None, obs, chain_cal)
+    stage = _Stage(name, cfg, None, obs, cals)
     ev = evaluate(stage.controller(policies[name]), val, latency)
     policies[name].save(out / "policy" / cfg.only, training={
         "stage": name, "val_modelled_speedup": ev["modelled_speedup"], "reward": cfg.reward,
