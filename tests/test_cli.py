@@ -85,7 +85,8 @@ def test_every_method_field_has_a_documented_flag():
         assert {f.name for f in fields(m.config)} - covered <= siblings, name
     # the learned runtime, also the ablations'
     machine = ("latency", "ar_fallback", "probe_every", "chain", "chain_tokens", "tuned")
-    assert flags["ltd-depth"].only == (*machine, "depth_policy") and flags["ltd-size"].only == (*machine, "size_policy")
+    assert flags["ltd-depth"].only == (*machine, "depth_policy", "acceptance")
+    assert flags["ltd-size"].only == (*machine, "size_policy", "acceptance")
     assert [flags["deagle"].flag(f) for f in ("tau_s", "votes")] == ["deagle-tau-s", "deagle-votes"]
     assert flags["static-gs"].flag("tuned") == "tuned" and flags["ltd-size"].flag("size_policy") == "ltd-size-policy"
 
