@@ -429,6 +429,7 @@ class ChainRule:
         self.match, self.context_len, self.temperature = match, int(context_len), float(temperature)
         self.chosen: int | None = None  # the chain length a policy fixed this cycle (None: the rule's)
         self.chain = tuple(match.tokens) if match is not None else ()
+        self._verify_s: np.ndarray | None = None  # the cycle's verification seconds, for the priced decisions
         self.gain = np.concatenate([[0.0], np.cumsum(self.cal.probs(match, temperature=temperature))])  # C(k)
         return match.tokens if match is not None else ()
 
@@ -479,29 +480,32 @@ class ChainRule:
         return max(1.0 / max(lat.ar_step(self.context_len), 1e-12), self.rate or 0.0)
 
     def _priced(self):
+        """(latency model, price, the cost of verifying n = 0..MAX_SIZE + chain nodes this cycle); the verification
+        seconds are read once per cycle, not once per draft step."""
         lat = self.latency
         if lat is None or self.acceptance is None:
             raise ValueError("the rule's decisions (a policy's RULE action) need the machine's latency model and the "
                              "head's acceptance calibration (--ltd-latency and --ltd-acceptance, or a machine setup)")
-        return lat, self._price(lat)
+        if self._verify_s is None:
+            self._verify_s = lat.verify_times(np.arange(MAX_SIZE + len(self.chain) + 1), self.context_len)
+        price = self._price(lat)
+        return lat, price, price * self._verify_s
 
     def priced_size(self, tree) -> int:
         """The head's V as the hybrid rule chooses it (:func:`~.pricing.price_split`, at most
         :data:`~.pricing.MAX_SIZE`) next to this cycle's chain, at :meth:`choose`'s price; :meth:`choose` then gives
         the chain's length for that V. Needs the latency model and :attr:`acceptance`."""
-        lat, price = self._priced()
+        _, _, cost = self._priced()
         k_max = min(len(self.chain), self.gain.size - 1)
-        cost = price * lat.verify_times(np.arange(MAX_SIZE + k_max + 1), self.context_len)
         return price_split(tree, self.chain[:k_max], self.gain[:k_max + 1], self.acceptance, MAX_SIZE, cost).size
 
     def priced_continue(self, step) -> bool:
         """Whether the hybrid rule drafts another level after ``step`` (costaware's look-ahead,
         :func:`~.pricing.level_pays`), at :meth:`choose`'s price."""
-        lat, price = self._priced()
+        lat, price, cost = self._priced()
         rates = self._child_rates.get(step.width)
         if rates is None:
             rates = self._child_rates[step.width] = self.acceptance.rates(step.width)
-        cost = price * lat.verify_times(np.arange(MAX_SIZE + 1), self.context_len)
         return level_pays(step, self.acceptance, rates, MAX_SIZE, cost, price * lat.draft_step(step.width,
                                                                                               self.context_len))
 
