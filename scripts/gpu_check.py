@@ -3,6 +3,7 @@ know about adaptree there, written into one small folder (at most 8 files, so a 
 
     bash scripts/gpu_check.sh [OUT]                      # OUT default: gpu-check
     python scripts/gpu_check.py --out OUT [--device cuda] [--prompts 2] [--tokens 128]
+    python scripts/gpu_check.py --out OUT --device cpu --threads 16    # the same steps on a many-core host's CPU
 
 Steps (each timed; a step that fails is recorded and the next one runs):
 
@@ -79,7 +80,8 @@ def machine(device: str) -> dict:
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "host_cores": os.cpu_count(), "device": device, "platform": platform.platform()}
+            "host_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device,
+            "platform": platform.platform()}
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
@@ -177,11 +179,11 @@ def graph_steps(device: str, repeats: int) -> dict:
             "by_dtype": result}
 
 
-def setup(device: str):
+def setup(device: str, threads: int | None):
     import adaptree
 
     t0 = time.perf_counter()
-    p = adaptree.load(device=device, progress=False)
+    p = adaptree.load(device=device, threads=threads, progress=False)
     took = time.perf_counter() - t0
     s = p.machine
     info = {"load_seconds": round(took, 1), "execution": p.execution, "dtype": p.dtype_name, "weights": p.weights}
@@ -193,14 +195,17 @@ def setup(device: str):
 def lossless(device: str, assets: dict | None, tokens: int) -> dict:
     import adaptree
     from adaptree.data.prompts import humaneval, mt_bench
-    from adaptree.methods import METHODS, make_controller
+    from adaptree.methods import METHODS, make_controller, method
 
     p = adaptree.load(device=device, dtype="float32", weights="float", compile="off", adapt=False, progress=False)
     prompts = [mt_bench()[0].turns[0], humaneval()[0].turns[0]]
     ref = [p.generate(q, "ar", max_new_tokens=tokens).token_ids for q in prompts]
-    rows = {}
+    rows, skipped = {}, {}
     for m in METHODS:
         if m == "ar":
+            continue
+        if method(m).needs_draft_model:  # a second model of the target's tokenizer, which this check does not load
+            skipped[m] = "needs a draft model"
             continue
         try:
             ctl = lambda: make_controller(m, head_folder=p.head_folder, model=p.model_label,  # noqa: E731
@@ -210,14 +215,16 @@ def lossless(device: str, assets: dict | None, tokens: int) -> dict:
                        "tau": round(sum(g.tau for g in gens) / len(gens), 3)}
         except Exception as e:
             rows[m] = {"identical": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    return {"tokens": tokens, "prompts": len(prompts), "methods": rows,
+    return {"tokens": tokens, "prompts": len(prompts), "methods": rows, "skipped": skipped,
             "all_identical": all(r["identical"] for r in rows.values())}
 
 
-def bench(device: str, dtype: str, prompts: int, tokens: int, out: Path, timeout: int) -> dict:
+def bench(device: str, dtype: str, prompts: int, tokens: int, out: Path, timeout: int, threads: int | None) -> dict:
     cmd = [sys.executable, "-m", "adaptree.cli", "bench", "--device", device, "--dtype", dtype, "--weights", "float",
            "--methods", ",".join(BENCH_METHODS + REFERENCE_ARMS), "--limit", str(prompts), "--turns", "1",
            "--max-new-tokens", str(tokens), "--reference", "static-gs", "--out", str(out)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"bench exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
@@ -237,7 +244,8 @@ def write_summary(out: Path, r: dict) -> None:
     lines = ["# adaptree GPU check", ""]
     m = r.get("machine") or {}
     lines.append(f"Machine: {m.get('gpu', m.get('device'))}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
-                 f"{m.get('host_cores')} host cores, python {m.get('python')}.")
+                 f"{m.get('host_cores')} host cores ({m.get('torch_threads')} torch threads), python "
+                 f"{m.get('python')}.")
     lines += ["", "| step | status | seconds |", "|---|---|---|"]
     lines += [f"| {k} | {v['status']} | {v['seconds']} |" for k, v in r["steps"].items()]
     curve = (r.get("forward_curve") or {}).get("ms")
@@ -269,6 +277,7 @@ def write_summary(out: Path, r: dict) -> None:
                   "| method | identical | tau |", "|---|---|---|"]
         lines += [f"| {k} | {v.get('identical')} | {v.get('tau', v.get('error', ''))} |"
                   for k, v in ll["methods"].items()]
+        lines += [f"| {k} | skipped | {why} |" for k, why in ll.get("skipped", {}).items()]
     if (out / "bench" / "report.md").is_file():
         lines += ["", "## Bench", "", f"`{r['bench']['command']}`" if r.get("bench") else "", "",
                   results_table(out / "bench" / "report.md")]
@@ -284,10 +293,19 @@ def main() -> None:
     ap.add_argument("--lossless-tokens", type=int, default=64, help="new tokens per fp32 lossless prompt (64)")
     ap.add_argument("--repeats", type=int, default=20, help="timed forwards per forward-curve point (20)")
     ap.add_argument("--bench-timeout", type=int, default=300, help="seconds the bench may take (300)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for every step (default: torch's choice, all cores): with --device cpu, "
+                         "the CPU profile of a host of that many threads")
     args = ap.parse_args()
     for name in ("prompts", "tokens", "lossless_tokens", "repeats", "bench_timeout"):
         if getattr(args, name) < 1:
             raise SystemExit(f"gpu_check: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"gpu_check: --threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)  # the curves and the lossless check; the setup and bench are told too
     out = Path(args.out)
     c = Check(out)
     t0 = time.perf_counter()
@@ -301,7 +319,7 @@ def main() -> None:
     c.result["graph_steps"] = c.step("fixed-shape steps", lambda: graph_steps(args.device, args.repeats))
     if c.result["graph_steps"]:
         (out / "graph_steps.json").write_text(json.dumps(c.result["graph_steps"], indent=1) + "\n")
-    got = c.step("machine setup", lambda: setup(args.device))
+    got = c.step("machine setup", lambda: setup(args.device, args.threads))
     pipe, c.result["setup"] = got if got else (None, None)
     if c.result["setup"]:
         (out / "setup.json").write_text(json.dumps(c.result["setup"], indent=1, default=str) + "\n")
@@ -310,7 +328,7 @@ def main() -> None:
     del pipe
     c.result["lossless"] = c.step("fp32 lossless", lambda: lossless(args.device, assets, args.lossless_tokens))
     c.result["bench"] = c.step("bench", lambda: bench(args.device, dtype, args.prompts, args.tokens, out / "bench",
-                                                      args.bench_timeout))
+                                                      args.bench_timeout, args.threads))
     c.result["seconds"] = round(time.perf_counter() - t0, 1)
     write_summary(out, c.result)
     (out / "gpu_check.json").write_text(json.dumps(c.result, indent=1, default=str) + "\n")

@@ -56,7 +56,7 @@ from adaptree.offline.traces import TraceStore, match_mask, num_candidates
 
 W = 10
 FEATURES = ("score", "own_logp", "depth", "row_entropy", "sibling_rank", "root_best")
-ETAS = (0.02, 0.05)
+ETAS = (0.02, 0.05, 0.1, 0.2)
 TOP = 60  # candidates per root in the predictive scores: the V the rule verifies is at most this
 
 
@@ -140,15 +140,31 @@ class Priced:
         return self.base.rates(width)
 
 
+class ShiftedChain:
+    """The chain calibration with its probabilities shifted in logit by the head calibration's current shift."""
+
+    def __init__(self, base: ChainCalibration, priced: Priced) -> None:
+        self.base, self.priced = base, priced
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+    def probs(self, match, k=None, temperature: float = 0.0) -> np.ndarray:
+        p = self.base.probs(match, k, temperature)
+        b = self.priced.shift
+        return p if b == 0.0 or not p.size else 1 / (1 + np.exp(-(logit(p) + b)))
+
+
 class Probe(HybridController):
-    """Hybrid with its candidates priced by ``predictor`` (None: the calibration), its logit shifted online by
-    ``eta`` (0: never) and ``extra`` levels drafted past where its look-ahead stops (or every cycle ``depth`` levels,
-    when given); logs (root position, predicted
-    accepted, accepted) of its drafted cycles."""
+    """Hybrid with its candidates priced by ``predictor`` (None: the calibration), its logit (the head's and the
+    chain's) shifted online by ``eta`` (0: never) and ``extra`` levels drafted past where its look-ahead stops (or
+    every cycle ``depth`` levels, when given); logs (root position, predicted accepted, accepted) of its drafted
+    cycles."""
 
     def __init__(self, cfg, latency, acceptance, chain, predictor: Predictor | None = None, eta: float = 0.0,
                  extra: int = 0, depth: int | None = None):
         super().__init__(cfg, latency, Priced(acceptance), chain)
+        self.chain_cal = ShiftedChain(self.chain_cal, self.calibration)
         self.predictor, self.eta, self.extra, self.depth, self.log = predictor, eta, extra, depth, []
 
     def reset(self) -> None:
@@ -158,10 +174,6 @@ class Probe(HybridController):
     def begin_cycle(self, ctx):
         plan = super().begin_cycle(ctx)
         self.pred, self.root, self.past = None, ctx.context_len, 0
-        b = self.calibration.shift
-        if b != 0.0 and self.chain_p.size:  # the chain's probabilities are shifted like the head's
-            self.chain_p = 1 / (1 + np.exp(-(logit(self.chain_p) + b)))
-            self.gain_c = np.concatenate([[0.0], np.cumsum(self.chain_p)])
         return plan
 
     def _price(self, tree) -> None:
