@@ -159,17 +159,19 @@ class Probe(HybridController):
     """Hybrid with its candidates priced by ``predictor`` (None: the calibration), its logit (the head's and the
     chain's) shifted online by ``eta`` (0: never) and ``extra`` levels drafted past where its look-ahead stops (or
     every cycle ``depth`` levels, when given); logs (root position, predicted accepted, accepted) of its drafted
-    cycles."""
+    cycles, one list per generation in ``logs``."""
 
     def __init__(self, cfg, latency, acceptance, chain, predictor: Predictor | None = None, eta: float = 0.0,
                  extra: int = 0, depth: int | None = None):
+        self.logs: list[list] = []
         super().__init__(cfg, latency, Priced(acceptance), chain)
         self.chain_cal = ShiftedChain(self.chain_cal, self.calibration)
-        self.predictor, self.eta, self.extra, self.depth, self.log = predictor, eta, extra, depth, []
+        self.predictor, self.eta, self.extra, self.depth = predictor, eta, extra, depth
 
     def reset(self) -> None:
         super().reset()
         self.calibration.shift, self.calibration.table, self.pred = 0.0, None, None
+        self.logs.append([])  # a new generation
 
     def begin_cycle(self, ctx):
         plan = super().begin_cycle(ctx)
@@ -203,18 +205,15 @@ class Probe(HybridController):
     def end_cycle(self, record) -> None:
         super().end_cycle(record)
         if self.pred is not None and record.size + record.chain_nodes > 0:
-            self.log.append((self.root, self.pred, record.accepted))
+            self.logs[-1].append((self.root, self.pred, record.accepted))
             self.calibration.shift += self.eta * (record.accepted - self.pred)
 
 
 def replay(ctl: Probe, traces, latency):
-    """(modelled speedup, per-trace logs) of ``ctl`` over ``traces``, one generation each."""
-    logs, total, ar = [], 0.0, 0.0
-    for t in traces:
-        ctl.log = []
-        r = simulate(ctl, t, latency, measure_policy=False)
-        total, ar, logs = total + r.total_s, ar + r.ar_s, logs + [(t, ctl.log)]
-    return ar / total, logs
+    """(modelled speedup, (trace, its log) per trace) of ``ctl`` over ``traces``, one generation each."""
+    ctl.logs = []
+    speedup = simulate(ctl, traces, latency, measure_policy=False).speedup
+    return speedup, list(zip(traces, ctl.logs, strict=True))
 
 
 def predictive(traces, acceptance: AcceptanceCalibration, predictor: Predictor) -> dict:

@@ -59,6 +59,14 @@ class Meter:
             return None
         return self.tokens / self.seconds
 
+    @staticmethod
+    def sample(rec: CycleRecord, lat) -> tuple[float, float] | None:
+        """(emitted tokens, modelled seconds) of a drafted cycle on latency model ``lat``; None for an AR step or
+        without a latency model (nothing to measure)."""
+        if lat is None or rec.depth == 0:
+            return None
+        return rec.accepted + 1, lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes, rec.context_len)
+
 
 class ARGate(Meter):
     """See the module docstring."""
@@ -142,11 +150,11 @@ class ARGate(Meter):
     def record(self, rec: CycleRecord) -> None:
         """After a cycle: update the averages with a drafted cycle, decide on AR mode."""
         lat = self.latency
-        if lat is None or rec.depth == 0:
+        drafted = self.sample(rec, lat)
+        if drafted is None:
             return
-        t = lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes, rec.context_len)
+        tokens, t = drafted
         ar_rate = 1.0 / max(lat.ar_step(rec.context_len), 1e-12)
-        tokens = rec.accepted + 1
         if self.ar_mode:  # a probe: the latest probes earn the AR rate, or the next one waits longer
             self.probes = (self.probes + [(tokens, t)])[-self.probe_window:]
             probe_tokens, probe_seconds = (sum(x) / len(self.probes) for x in zip(*self.probes))

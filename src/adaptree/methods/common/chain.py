@@ -398,11 +398,10 @@ class ChainRule:
     def record(self, rec) -> None:
         """After a cycle of a method without an AR gate (training, or the fallback off): the price becomes the
         drafted cycles' modelled throughput, measured as the gate measures it (:class:`~.ar_gate.Meter`)."""
-        lat = self.latency
-        if lat is None or rec.depth == 0:
+        drafted = Meter.sample(rec, self.latency)
+        if drafted is None:
             return
-        self.meter.add(rec.accepted + 1, lat.cycle_time(rec.width, rec.depth, rec.size + rec.chain_nodes,
-                                                        rec.context_len))
+        self.meter.add(*drafted)
         self.rate = self.meter.throughput()
 
     @classmethod
