@@ -145,7 +145,7 @@ def test_hf_generate_runs_in_its_worker_on_the_same_weights(tiny_pipe, questions
 
 def test_reference_arm_bad_input_fails_in_the_bench_process(tiny_pipe, questions, tmp_path):
     """Weights that are not the model's file (changed in memory) fail the HF arm's build with a clear error, raised
-    in the bench's process; without llama-cpp-python the llama.cpp arms say how to install it."""
+    in the bench's process; without llama-cpp-python the llama.cpp arms say how to get it (setup.sh builds it)."""
     with torch.no_grad():
         w = tiny_pipe.target.lm_head.weight
         w[0, 0] += 1.0
@@ -156,5 +156,5 @@ def test_reference_arm_bad_input_fails_in_the_bench_process(tiny_pipe, questions
             w[0, 0] -= 1.0
     if llama_cpp_available():
         return
-    with pytest.raises(ValueError, match=r"the llama_cpp arm needs llama-cpp-python: pip install"):
+    with pytest.raises(ValueError, match=r"the llama_cpp arm needs llama-cpp-python: bash scripts/setup.sh builds it"):
         run_bench(_cfg(questions, tmp_path / "c", ["ar", "llama_cpp"]), tiny_pipe)
